@@ -1,0 +1,16 @@
+//! Shared by both pd-bridge daemons: the wire contract, block keys and shard
+//! framing, configuration loading, telemetry, and the serving runtime (gRPC with
+//! health and reflection, the admin HTTP listener, graceful shutdown).
+//!
+//! Nothing here knows about either engine; the daemons bring those.
+
+pub mod admin;
+pub mod block;
+pub mod config;
+pub mod daemon;
+pub mod grpc;
+pub mod proto;
+pub mod readiness;
+pub mod shard;
+pub mod shutdown;
+pub mod telemetry;

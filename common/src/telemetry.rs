@@ -1,0 +1,49 @@
+//! Logs (tracing-subscriber) and metrics (a Prometheus recorder rendered by the
+//! admin listener).
+
+use std::sync::OnceLock;
+
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use tracing_subscriber::{EnvFilter, fmt, layer::SubscriberExt, util::SubscriberInitExt};
+
+use crate::config::LogFormat;
+
+/// Installs the global log subscriber. `RUST_LOG` wins over the default level
+/// (`info`). Safe to call twice (the second call is ignored), so in-process
+/// tests can start several daemons.
+pub fn init_logging(format: LogFormat) {
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let registry = tracing_subscriber::registry().with(filter);
+    let _ = match format {
+        LogFormat::Human => registry.with(fmt::layer().with_writer(std::io::stderr)).try_init(),
+        LogFormat::Json => registry.with(fmt::layer().json().with_writer(std::io::stderr)).try_init(),
+    };
+}
+
+/// Histogram buckets for durations in seconds: 1 ms to ~10 min.
+const SECONDS_BUCKETS: &[f64] =
+    &[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 600.0];
+
+/// Installs the process-wide Prometheus recorder once and returns its handle.
+/// Metric names carry their unit suffix themselves (`_seconds`, `_bytes`), so
+/// the exporter's automatic suffixing stays off.
+pub fn metrics_handle() -> PrometheusHandle {
+    static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
+    HANDLE
+        .get_or_init(|| {
+            PrometheusBuilder::new()
+                .set_buckets(SECONDS_BUCKETS)
+                .expect("static bucket list is non-empty")
+                .install_recorder()
+                .expect("the metrics recorder is installed only here")
+        })
+        .clone()
+}
+
+/// Publishes `pdbridge_build_info{daemon, version} 1`, installing the recorder
+/// first so the gauge is never written to the no-op default.
+pub fn record_build_info(daemon: &'static str) {
+    metrics_handle();
+    metrics::describe_gauge!("pdbridge_build_info", "Build of the running daemon (always 1).");
+    metrics::gauge!("pdbridge_build_info", "daemon" => daemon, "version" => env!("CARGO_PKG_VERSION")).set(1.0);
+}

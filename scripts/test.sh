@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# The test suite: installs what it needs (idempotent, cached under the repo),
+# builds the daemons, and runs every test against the real binaries.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+scripts/setup-engines.sh
+cargo build --workspace --bins --locked
+cargo nextest run --workspace --locked --no-fail-fast "$@"

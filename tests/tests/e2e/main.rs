@@ -1,0 +1,4 @@
+//! One test binary for every end-to-end concern; each module starts the real
+//! daemon binaries on loopback.
+
+mod foundation;
