@@ -18,6 +18,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         // Bulk payloads decode as `Bytes`, sharing the receive buffer (no copy).
         .bytes(".pdbridge.v1.Shard.payload")
         .bytes(".pdbridge.v1.BundleChunk.data")
+        // Ordered maps encode deterministically, so a spec hashes the same everywhere.
+        .btree_map(".")
         .compile_fds(fds)?;
     Ok(())
 }

@@ -1,5 +1,7 @@
 //! decoded's configuration (see `deploy/examples/decoded.toml`).
 
+use std::{net::SocketAddr, path::PathBuf, time::Duration};
+
 use pdbridge_common::config::{ConfigError, LogConfig, ServerConfig, Validate};
 use serde::Deserialize;
 
@@ -9,10 +11,152 @@ pub struct Config {
     pub server: ServerConfig,
     #[serde(default)]
     pub log: LogConfig,
+    #[serde(default)]
+    pub store: StoreConfig,
+    /// The decode engine. Without it decoded serves nothing but health, which
+    /// stays NOT_SERVING.
+    pub engine: Option<EngineConfig>,
+    #[serde(default)]
+    pub front: FrontConfig,
 }
 
 impl Validate for Config {
     fn validate(&self) -> Result<(), ConfigError> {
-        self.server.validate()
+        self.server.validate()?;
+        self.store.validate()?;
+        self.front.validate()
+    }
+}
+
+/// The prefix store.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct StoreConfig {
+    /// Directory of block files (created if missing).
+    pub dir: PathBuf,
+    /// Bytes of block files kept before least-recently-used blocks are evicted.
+    pub budget_bytes: u64,
+    /// Tokens per block (B). Part of every block key.
+    pub block_tokens: u32,
+    /// Blocks a single Push stream may hold partially assembled at once;
+    /// bounds memory to this many blocks per stream.
+    pub max_open_blocks: usize,
+}
+
+impl Default for StoreConfig {
+    fn default() -> Self {
+        StoreConfig { dir: "var/decoded/store".into(), budget_bytes: 8 << 30, block_tokens: 256, max_open_blocks: 4 }
+    }
+}
+
+impl Validate for StoreConfig {
+    fn validate(&self) -> Result<(), ConfigError> {
+        if self.block_tokens == 0 || !self.block_tokens.is_multiple_of(16) {
+            return Err(ConfigError::invalid("store.block_tokens", "must be a positive multiple of 16"));
+        }
+        if self.max_open_blocks == 0 {
+            return Err(ConfigError::invalid("store.max_open_blocks", "must be at least 1"));
+        }
+        if self.budget_bytes == 0 {
+            return Err(ConfigError::invalid("store.budget_bytes", "must be greater than zero"));
+        }
+        Ok(())
+    }
+}
+
+/// How decoded runs its decode engine (the mlx-lm adapter).
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EngineConfig {
+    /// Python interpreter with mlx-lm installed.
+    #[serde(default = "default_python")]
+    pub python: PathBuf,
+    /// Directory holding the `pdbridge_mlx` package.
+    #[serde(default = "default_adapter_dir")]
+    pub adapter_dir: PathBuf,
+    /// The decoder's mlx-lm model folder.
+    pub model: PathBuf,
+    /// Unix socket decoded and the adapter talk over.
+    #[serde(default = "default_socket")]
+    pub socket: PathBuf,
+    /// Longest wait for the adapter to load its model.
+    #[serde(with = "humantime_serde", default = "default_start_timeout")]
+    pub start_timeout: Duration,
+    /// Pause before restarting a crashed adapter.
+    #[serde(with = "humantime_serde", default = "default_restart_backoff")]
+    pub restart_backoff: Duration,
+}
+
+fn default_python() -> PathBuf {
+    ".venv/bin/python".into()
+}
+fn default_adapter_dir() -> PathBuf {
+    "decoded/engine".into()
+}
+fn default_socket() -> PathBuf {
+    "var/decoded/engine.sock".into()
+}
+fn default_start_timeout() -> Duration {
+    Duration::from_secs(300)
+}
+fn default_restart_backoff() -> Duration {
+    Duration::from_secs(2)
+}
+
+/// The OpenAI-compatible front door and its bridge-or-native policy.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct FrontConfig {
+    /// HTTP listener for `/v1/...`.
+    pub listen: SocketAddr,
+    /// The model name `/v1/models` lists and responses carry.
+    pub model_name: String,
+    /// prefilld's gRPC address; without it every answer is native.
+    pub prefilld: Option<String>,
+    /// How prefilld reaches this decoder's CacheStore (default: the gRPC
+    /// listener, with an unspecified IP replaced by 127.0.0.1).
+    pub advertise_addr: Option<String>,
+    /// Bridge at all (false: every answer is native, reason `disabled`).
+    pub bridge: bool,
+    /// Smallest uncached run of whole blocks, in tokens, worth bridging.
+    pub min_bridge_tokens: u32,
+    /// `max_tokens` when a request gives none.
+    pub default_max_tokens: u32,
+    /// Longest wait for prefilld's outcome: base plus a share per 1,000 tokens.
+    #[serde(with = "humantime_serde")]
+    pub prefill_deadline_base: Duration,
+    #[serde(with = "humantime_serde")]
+    pub prefill_deadline_per_1k_tokens: Duration,
+}
+
+impl Default for FrontConfig {
+    fn default() -> Self {
+        FrontConfig {
+            listen: SocketAddr::from(([127, 0, 0, 1], 8080)),
+            model_name: "smollm2".into(),
+            prefilld: None,
+            advertise_addr: None,
+            bridge: true,
+            min_bridge_tokens: 256,
+            default_max_tokens: 256,
+            prefill_deadline_base: Duration::from_secs(60),
+            prefill_deadline_per_1k_tokens: Duration::from_secs(30),
+        }
+    }
+}
+
+impl Validate for FrontConfig {
+    fn validate(&self) -> Result<(), ConfigError> {
+        if self.default_max_tokens == 0 {
+            return Err(ConfigError::invalid("front.default_max_tokens", "must be at least 1"));
+        }
+        for (key, addr) in [("front.prefilld", &self.prefilld), ("front.advertise_addr", &self.advertise_addr)] {
+            if let Some(addr) = addr
+                && !(addr.starts_with("http://") || addr.starts_with("https://"))
+            {
+                return Err(ConfigError::invalid(key, "must be a URI such as http://host:port"));
+            }
+        }
+        Ok(())
     }
 }

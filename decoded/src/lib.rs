@@ -3,7 +3,11 @@
 //! OpenAI-compatible front door.
 
 pub mod config;
+pub mod engine;
+pub mod front;
+pub mod ingest;
 pub mod service;
+pub mod store;
 
 use pdbridge_common::{
     config::LogFormat,
@@ -12,6 +16,10 @@ use pdbridge_common::{
     readiness::Readiness,
     telemetry,
 };
+use std::sync::Arc;
+
+use service::CacheStoreService;
+use store::Store;
 use tokio::net::TcpListener;
 
 pub use config::Config;
@@ -20,6 +28,8 @@ pub use config::Config;
 pub struct Listeners {
     pub grpc: TcpListener,
     pub admin: TcpListener,
+    /// The OpenAI-compatible front door.
+    pub front: TcpListener,
 }
 
 /// gRPC services whose health tracks the decode engine.
@@ -40,6 +50,7 @@ impl Daemon for Decoded {
         Ok(Listeners {
             grpc: daemon::bind("server.grpc_listen", config.server.grpc_listen).await?,
             admin: daemon::bind("server.admin_listen", config.server.admin_listen).await?,
+            front: daemon::bind("front.listen", config.front.listen).await?,
         })
     }
 
@@ -53,15 +64,41 @@ pub async fn serve(listeners: Listeners, config: Config, shutdown: Shutdown) -> 
     telemetry::record_build_info(Decoded::NAME);
     let stop = daemon::cancel_on(shutdown);
     let readiness = Readiness::new();
-    let store = service::CacheStoreService::new(readiness.clone());
-    let cache_store = CacheStoreServer::new(store)
+    let (store, report) = Store::open(&config.store.dir, config.store.budget_bytes)?;
+    tracing::info!(
+        dir = %config.store.dir.display(),
+        blocks = report.blocks,
+        bytes = report.bytes,
+        quarantined = report.quarantined,
+        "store opened"
+    );
+    metrics::counter!("pdbridge_store_quarantined_total").increment(report.quarantined as u64);
+    let store = Arc::new(store);
+    let engine = match config.engine.clone() {
+        Some(engine) => Some(engine::supervise(engine, config.store.block_tokens, readiness.clone(), stop.clone())),
+        None => {
+            tracing::warn!("no [engine] configured: decoded will never be ready");
+            None
+        }
+    };
+    let grpc_addr = listeners.grpc.local_addr()?;
+    let advertise = config.front.advertise_addr.clone().unwrap_or_else(|| {
+        let ip = if grpc_addr.ip().is_unspecified() { [127, 0, 0, 1].into() } else { grpc_addr.ip() };
+        format!("http://{}", std::net::SocketAddr::new(ip, grpc_addr.port()))
+    });
+    let front = front::router(engine.clone(), store.clone(), config.front.clone(), advertise);
+    let service = CacheStoreService::new(engine, store, config.store.max_open_blocks);
+    let cache_store = CacheStoreServer::new(service)
         .max_decoding_message_size(config.server.http2.max_message_bytes)
         .max_encoding_message_size(config.server.http2.max_message_bytes);
     tracing::info!(
-        grpc = %listeners.grpc.local_addr()?,
+        grpc = %grpc_addr,
         admin = %listeners.admin.local_addr()?,
+        front = %listeners.front.local_addr()?,
         "decoded listening"
     );
+    let front_task =
+        tokio::spawn(pdbridge_common::admin::serve(listeners.front, front, stop.clone().cancelled_owned()));
     let rpc = Rpc {
         grpc: listeners.grpc,
         admin: listeners.admin,
@@ -69,5 +106,9 @@ pub async fn serve(listeners: Listeners, config: Config, shutdown: Shutdown) -> 
         admin_routes: axum::Router::new(),
     };
     daemon::serve_rpc(rpc, &config.server, &readiness, SERVICES, stop).await?;
+    // The front door drains within the same deadline the gRPC side had.
+    if tokio::time::timeout(config.server.drain_timeout, front_task).await.is_err() {
+        tracing::warn!("front door still had requests at the drain deadline");
+    }
     Ok(())
 }

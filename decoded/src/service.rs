@@ -1,32 +1,91 @@
-//! The `CacheStore` gRPC service: translates wire messages into store and
-//! engine calls and their errors into gRPC statuses.
+//! The `CacheStore` gRPC service: translates wire messages into engine, store
+//! and ingest calls, and their errors into gRPC statuses (in one place,
+//! [`status_of`]).
 
-use std::pin::Pin;
+use std::{pin::Pin, sync::Arc};
 
 use pdbridge_common::{
+    block,
     proto::{
         BundleChunk, CacheSpec, GetBundleRequest, GetSpecRequest, LookupRequest, LookupResponse, PushFrame,
-        PushReceipt, cache_store_server::CacheStore,
+        PushReceipt, cache_store_server::CacheStore, push_frame::Frame,
     },
-    readiness::Readiness,
+    shard::ShardError,
 };
+use tokio::io::AsyncReadExt;
 use tokio_stream::Stream;
-use tonic::{Request, Response, Status, Streaming};
+use tonic::{Code, Request, Response, Status, Streaming};
+
+use crate::{
+    engine::{Engine, EngineError, EngineInfo},
+    ingest::{Ingest, IngestError},
+    store::{Store, StoreError},
+};
+
+/// Bundle bytes per `BundleChunk`.
+const BUNDLE_CHUNK_BYTES: usize = 4 << 20;
 
 pub struct CacheStoreService {
-    /// The spec, bundle and store all come from the decode engine; until it is
-    /// ready every call answers UNAVAILABLE rather than guessing.
-    readiness: Readiness,
+    engine: Option<Engine>,
+    store: Arc<Store>,
+    max_open_blocks: usize,
 }
 
 impl CacheStoreService {
-    pub fn new(readiness: Readiness) -> Self {
-        Self { readiness }
+    pub fn new(engine: Option<Engine>, store: Arc<Store>, max_open_blocks: usize) -> Self {
+        Self { engine, store, max_open_blocks }
     }
 
-    fn require_engine(&self) -> Result<(), Status> {
-        if self.readiness.is_ready() { Ok(()) } else { Err(Status::unavailable("decode engine is not ready")) }
+    /// The current spec; UNAVAILABLE while the engine is down.
+    fn info(&self) -> Result<Arc<EngineInfo>, Status> {
+        self.engine.as_ref().ok_or(EngineError::NotReady).and_then(Engine::info).map_err(|e| status_of(&e.into()))
     }
+
+    /// FAILED_PRECONDITION unless `claimed` is empty or the current spec.
+    fn check_spec(info: &EngineInfo, claimed: &str) -> Result<(), Status> {
+        if claimed.is_empty() || claimed == info.spec.spec_fingerprint {
+            return Ok(());
+        }
+        Err(status_of(&ServiceError::Ingest(IngestError::SpecMismatch {
+            got: claimed.to_owned(),
+            want: info.spec.spec_fingerprint.clone(),
+        })))
+    }
+}
+
+/// Every failure the service can report.
+#[derive(Debug, thiserror::Error)]
+pub enum ServiceError {
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+    #[error(transparent)]
+    Ingest(#[from] IngestError),
+    #[error("{0}")]
+    BadStream(&'static str),
+}
+
+/// The one mapping from domain errors to gRPC status codes.
+pub fn status_of(err: &ServiceError) -> Status {
+    let code = match err {
+        ServiceError::Engine(EngineError::NotReady) => Code::Unavailable,
+        ServiceError::Engine(EngineError::BadRequest(_)) => Code::InvalidArgument,
+        ServiceError::Engine(_) => Code::Internal,
+        ServiceError::BadStream(_) => Code::InvalidArgument,
+        ServiceError::Ingest(e) => match e {
+            IngestError::SpecMismatch { .. } => Code::FailedPrecondition,
+            IngestError::Shard { source: ShardError::Checksum { .. }, .. } => Code::DataLoss,
+            IngestError::TooManyOpenBlocks { .. } => Code::ResourceExhausted,
+            IngestError::Store(StoreError::TooLarge { .. } | StoreError::NoSpace { .. }) => Code::ResourceExhausted,
+            IngestError::Store(_) => Code::Internal,
+            IngestError::BlockOutOfRange { .. }
+            | IngestError::UnknownTensor { .. }
+            | IngestError::Shard { .. }
+            | IngestError::AlreadyCommitted { .. } => Code::InvalidArgument,
+        },
+    };
+    metrics::counter!("pdbridge_grpc_errors_total", "service" => "CacheStore", "code" => format!("{code:?}"))
+        .increment(1);
+    Status::new(code, err.to_string())
 }
 
 type BundleStream = Pin<Box<dyn Stream<Item = Result<BundleChunk, Status>> + Send>>;
@@ -34,24 +93,114 @@ type BundleStream = Pin<Box<dyn Stream<Item = Result<BundleChunk, Status>> + Sen
 #[tonic::async_trait]
 impl CacheStore for CacheStoreService {
     async fn get_spec(&self, _: Request<GetSpecRequest>) -> Result<Response<CacheSpec>, Status> {
-        self.require_engine()?;
-        Err(Status::unimplemented("GetSpec"))
+        Ok(Response::new(self.info()?.spec.clone()))
     }
 
     type GetBundleStream = BundleStream;
 
-    async fn get_bundle(&self, _: Request<GetBundleRequest>) -> Result<Response<BundleStream>, Status> {
-        self.require_engine()?;
-        Err(Status::unimplemented("GetBundle"))
+    async fn get_bundle(&self, request: Request<GetBundleRequest>) -> Result<Response<BundleStream>, Status> {
+        let info = self.info()?;
+        Self::check_spec(&info, &request.get_ref().spec_fingerprint)?;
+        let mut file = tokio::fs::File::open(&info.bundle_path)
+            .await
+            .map_err(|e| Status::internal(format!("open bundle {}: {e}", info.bundle_path.display())))?;
+        let total_bytes = file.metadata().await.map_err(|e| Status::internal(e.to_string()))?.len();
+        let sha256 = info.spec.weights_fingerprint.clone();
+        // A reader task feeds a two-chunk channel: memory stays bounded and a
+        // slow client slows the reads.
+        let (tx, rx) = tokio::sync::mpsc::channel(2);
+        tokio::spawn(async move {
+            let mut offset = 0u64;
+            loop {
+                let mut buf = Vec::with_capacity(BUNDLE_CHUNK_BYTES);
+                let read = (&mut file).take(BUNDLE_CHUNK_BYTES as u64).read_to_end(&mut buf).await;
+                let chunk = match read {
+                    Ok(0) => break,
+                    Ok(_) => Ok(BundleChunk { offset, total_bytes, data: buf.into(), sha256: sha256.clone() }),
+                    Err(e) => Err(Status::internal(format!("read bundle: {e}"))),
+                };
+                let failed = chunk.is_err();
+                offset += chunk.as_ref().map_or(0, |c| c.data.len() as u64);
+                if tx.send(chunk).await.is_err() || failed {
+                    break;
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx))))
     }
 
-    async fn lookup(&self, _: Request<LookupRequest>) -> Result<Response<LookupResponse>, Status> {
-        self.require_engine()?;
-        Err(Status::unimplemented("Lookup"))
+    async fn lookup(&self, request: Request<LookupRequest>) -> Result<Response<LookupResponse>, Status> {
+        let info = self.info()?;
+        let request = request.into_inner();
+        Self::check_spec(&info, &request.spec_fingerprint)?;
+        let block_tokens = info.spec.block_tokens;
+        let keys = block::keys(&info.spec.spec_fingerprint, &request.token_ids, block_tokens as usize);
+        let cached_blocks = self.store.longest_prefix(&keys) as u32;
+        let outcome = if cached_blocks > 0 { "hit" } else { "miss" };
+        metrics::counter!("pdbridge_store_lookups_total", "outcome" => outcome).increment(1);
+        Ok(Response::new(LookupResponse {
+            cached_blocks,
+            cached_tokens: cached_blocks * block_tokens,
+            block_keys: keys.iter().map(|k| k.0.to_vec()).collect(),
+            block_tokens,
+        }))
     }
 
-    async fn push(&self, _: Request<Streaming<PushFrame>>) -> Result<Response<PushReceipt>, Status> {
-        self.require_engine()?;
-        Err(Status::unimplemented("Push"))
+    async fn push(&self, request: Request<Streaming<PushFrame>>) -> Result<Response<PushReceipt>, Status> {
+        let info = self.info()?;
+        let mut frames = request.into_inner();
+        let bad = |what| status_of(&ServiceError::BadStream(what));
+        let open = match frames.message().await? {
+            Some(PushFrame { frame: Some(Frame::Open(open)) }) => open,
+            Some(_) => return Err(bad("the first frame of a Push must be `open`")),
+            None => return Err(bad("empty Push stream")),
+        };
+        let spec = Arc::new(info.spec.clone());
+        let mut ingest =
+            Ingest::open(spec, self.store.clone(), open, self.max_open_blocks).map_err(|e| status_of(&e.into()))?;
+        let _in_flight = InFlight::enter();
+        // A transport error or a client that hangs up ends the loop; blocks
+        // already committed stay, partial ones are dropped with `ingest`.
+        let seal = loop {
+            match frames.message().await? {
+                Some(PushFrame { frame: Some(Frame::Shard(shard)) }) => {
+                    if let Err(e) = ingest.accept(shard).await {
+                        tracing::warn!(request_id = ingest.request_id(), error = %e, "push refused");
+                        return Err(status_of(&e.into()));
+                    }
+                }
+                Some(PushFrame { frame: Some(Frame::Seal(seal)) }) => break Some(seal),
+                Some(_) => return Err(bad("a Push carries one `open`, then shards, then one `seal`")),
+                None => break None,
+            }
+        };
+        if seal.is_some() && frames.message().await?.is_some() {
+            return Err(bad("frames after `seal`"));
+        }
+        let receipt = ingest.receipt(seal);
+        tracing::info!(
+            request_id = ingest.request_id(),
+            blocks = receipt.blocks_committed,
+            bytes = receipt.bytes,
+            reason = receipt.reason,
+            "push done"
+        );
+        Ok(Response::new(receipt))
+    }
+}
+
+/// Counts Push streams in progress (`pdbridge_push_streams_in_flight`).
+struct InFlight;
+
+impl InFlight {
+    fn enter() -> Self {
+        metrics::gauge!("pdbridge_push_streams_in_flight").increment(1.0);
+        InFlight
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        metrics::gauge!("pdbridge_push_streams_in_flight").decrement(1.0);
     }
 }

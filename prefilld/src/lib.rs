@@ -2,7 +2,11 @@
 //! reconstructs the decoder's own cache from the prefill's attention inputs,
 //! and streams it into a decoder's `CacheStore`.
 
+pub mod capture;
 pub mod config;
+pub mod engine;
+pub mod handshake;
+pub mod prefill;
 pub mod service;
 
 use pdbridge_common::{
@@ -12,7 +16,13 @@ use pdbridge_common::{
     readiness::Readiness,
     telemetry,
 };
+use std::sync::Arc;
+
+use capture::Router;
+use handshake::Decoders;
+use prefill::Bridge;
 use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
 
 pub use config::Config;
 
@@ -53,7 +63,31 @@ pub async fn serve(listeners: Listeners, config: Config, shutdown: Shutdown) -> 
     telemetry::record_build_info(Prefilld::NAME);
     let stop = daemon::cancel_on(shutdown);
     let readiness = Readiness::new();
-    let prefiller = PrefillerServer::new(service::PrefillerService::new(readiness.clone()))
+    let default_decoder = config.decoder.as_ref().map(|d| d.addr.clone());
+    let bridge = match config.engine.clone() {
+        Some(engine) => {
+            let router = Router::new(engine.plugin_socket.clone());
+            tokio::spawn({
+                let (router, stop) = (router.clone(), stop.clone());
+                async move {
+                    if let Err(e) = router.serve(stop).await {
+                        tracing::error!(error = %e, "plugin socket failed");
+                    }
+                }
+            });
+            let bundle_dir = engine.bundle_dir.clone();
+            let vllm = engine::supervise(engine, stop.clone())?;
+            let decoders = Decoders::new(vllm.profile.clone(), bundle_dir, config.server.http2.clone());
+            let bridge = Arc::new(Bridge { vllm, decoders, router, stream: config.stream.clone() });
+            tokio::spawn(track_readiness(bridge.clone(), default_decoder.clone(), readiness.clone(), stop.clone()));
+            Some(bridge)
+        }
+        None => {
+            tracing::warn!("no [engine] configured: prefilld will never be ready");
+            None
+        }
+    };
+    let prefiller = PrefillerServer::new(service::PrefillerService::new(bridge, default_decoder))
         .max_decoding_message_size(config.server.http2.max_message_bytes)
         .max_encoding_message_size(config.server.http2.max_message_bytes);
     tracing::info!(
@@ -69,4 +103,33 @@ pub async fn serve(listeners: Listeners, config: Config, shutdown: Shutdown) -> 
     };
     daemon::serve_rpc(rpc, &config.server, &readiness, SERVICES, stop).await?;
     Ok(())
+}
+
+/// How often the default decoder's spec is re-checked while ready.
+const DECODER_RECHECK: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Ready means: vLLM answers, and the default decoder (if any) has been met
+/// and still publishes the spec prefilld checked.
+async fn track_readiness(bridge: Arc<Bridge>, decoder: Option<String>, readiness: Readiness, stop: CancellationToken) {
+    let mut engine = bridge.vllm.ready_changes();
+    loop {
+        let engine_ready = engine.borrow_and_update().is_some();
+        let decoder_ok = match (&decoder, engine_ready) {
+            (_, false) => false,
+            (None, true) => true,
+            (Some(addr), true) => match bridge.decoders.recheck(addr).await {
+                Ok(()) => true,
+                Err(e) => {
+                    tracing::warn!(error = %e, "default decoder not usable");
+                    false
+                }
+            },
+        };
+        readiness.set(engine_ready && decoder_ok);
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = engine.changed() => {}
+            _ = tokio::time::sleep(DECODER_RECHECK) => {}
+        }
+    }
 }

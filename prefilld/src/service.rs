@@ -1,36 +1,67 @@
-//! The `Prefiller` gRPC service.
+//! The `Prefiller` gRPC service: validates requests and runs each as a
+//! [`Bridge`] job whose progress and outcome stream back to the caller.
 
-use std::pin::Pin;
-
-use pdbridge_common::{
-    proto::{PrefillEvent, PrefillRequest, prefiller_server::Prefiller},
-    readiness::Readiness,
+use std::{
+    pin::Pin,
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering},
+    },
 };
-use tokio_stream::Stream;
+
+use pdbridge_common::proto::{PrefillEvent, PrefillRequest, prefiller_server::Prefiller};
+use tokio::sync::mpsc;
+use tokio_stream::{Stream, StreamExt, wrappers::ReceiverStream};
 use tonic::{Request, Response, Status};
 
+use crate::prefill::{Bridge, Job};
+
 pub struct PrefillerService {
-    /// Prefill needs the engine and the decoder's spec; until both are in
-    /// hand every call answers UNAVAILABLE.
-    readiness: Readiness,
+    /// None when no engine is configured: every call is UNAVAILABLE.
+    bridge: Option<Arc<Bridge>>,
+    /// Used when a request names no decoder.
+    default_decoder: Option<String>,
 }
 
 impl PrefillerService {
-    pub fn new(readiness: Readiness) -> Self {
-        Self { readiness }
+    pub fn new(bridge: Option<Arc<Bridge>>, default_decoder: Option<String>) -> Self {
+        Self { bridge, default_decoder }
     }
 }
 
 type EventStream = Pin<Box<dyn Stream<Item = Result<PrefillEvent, Status>> + Send>>;
 
+/// A request id unique within this process and across restarts.
+fn new_request_id() -> String {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_nanos();
+    format!("pf-{nanos:x}-{}", NEXT.fetch_add(1, Ordering::Relaxed))
+}
+
 #[tonic::async_trait]
 impl Prefiller for PrefillerService {
     type PrefillStream = EventStream;
 
-    async fn prefill(&self, _: Request<PrefillRequest>) -> Result<Response<EventStream>, Status> {
-        if !self.readiness.is_ready() {
-            return Err(Status::unavailable("prefill engine is not ready"));
+    async fn prefill(&self, request: Request<PrefillRequest>) -> Result<Response<EventStream>, Status> {
+        let bridge = match &self.bridge {
+            Some(bridge) if bridge.vllm.is_ready() => bridge.clone(),
+            _ => return Err(Status::unavailable("prefill engine is not ready")),
+        };
+        let request = request.into_inner();
+        if request.token_ids.is_empty() {
+            return Err(Status::invalid_argument("token_ids is empty"));
         }
-        Err(Status::unimplemented("Prefill"))
+        let decoder_addr = match (request.decoder_addr.is_empty(), &self.default_decoder) {
+            (false, _) => request.decoder_addr,
+            (true, Some(default)) => default.clone(),
+            (true, None) => {
+                return Err(Status::invalid_argument("decoder_addr is empty and no default decoder is configured"));
+            }
+        };
+        let request_id = if request.request_id.is_empty() { new_request_id() } else { request.request_id };
+        let job = Job { request_id, token_ids: request.token_ids, decoder_addr, first_block: request.first_block };
+        let (tx, rx) = mpsc::channel(16);
+        tokio::spawn(bridge.run(job, tx));
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx).map(Ok))))
     }
 }

@@ -57,11 +57,16 @@ impl Drop for Scratch {
     }
 }
 
-/// The `[server]` section every test config starts from: kernel-chosen ports.
-pub fn loopback_server_section(drain_timeout: &str) -> String {
-    format!(
+/// A daemon's config with every listener on a kernel-chosen loopback port
+/// and no engine.
+pub fn loopback_config(daemon: &str, drain_timeout: &str) -> String {
+    let mut config = format!(
         "[server]\ngrpc_listen = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\ndrain_timeout = \"{drain_timeout}\"\n"
-    )
+    );
+    if daemon == "decoded" {
+        config.push_str("[front]\nlisten = \"127.0.0.1:0\"\n");
+    }
+    config
 }
 
 /// A running daemon process.
@@ -70,6 +75,8 @@ pub struct Daemon {
     child: Child,
     pub grpc: SocketAddr,
     pub admin: SocketAddr,
+    /// decoded's OpenAI front door.
+    pub front: Option<SocketAddr>,
     /// Every log line so far, for failure messages.
     log: Arc<Mutex<Vec<String>>>,
     _scratch: Scratch,
@@ -81,12 +88,15 @@ impl Daemon {
     pub async fn start(name: &str, config: &str) -> Daemon {
         let scratch = Scratch::new(name);
         let config_path = scratch.write("config.toml", config);
+        let config_path = config_path.canonicalize().expect("scratch path");
         let mut child = Command::new(binary(name))
             .arg("--config")
             .arg(&config_path)
             .arg("--log-format")
             .arg("json")
             .env("RUST_LOG", "info")
+            // Relative paths in a config (the store's default dir) land in scratch.
+            .current_dir(&scratch.0)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
@@ -106,7 +116,7 @@ impl Daemon {
                     if fields["message"] == listening.as_str() {
                         let addr = |k: &str| fields[k].as_str().and_then(|s| s.parse::<SocketAddr>().ok());
                         if let (Some(grpc), Some(admin)) = (addr("grpc"), addr("admin")) {
-                            let _ = addrs_tx.send((grpc, admin)).await;
+                            let _ = addrs_tx.send((grpc, admin, addr("front"))).await;
                         }
                     }
                 }
@@ -115,11 +125,11 @@ impl Daemon {
         });
 
         let started = tokio::time::timeout(Duration::from_secs(60), addrs_rx.recv()).await;
-        let Ok(Some((grpc, admin))) = started else {
+        let Ok(Some((grpc, admin, front))) = started else {
             let status = child.try_wait().ok().flatten();
             panic!("{name} did not start (exit: {status:?}); log:\n{}", log.lock().unwrap().join("\n"));
         };
-        Daemon { name: name.to_owned(), child, grpc, admin, log, _scratch: scratch }
+        Daemon { name: name.to_owned(), child, grpc, admin, front, log, _scratch: scratch }
     }
 
     pub fn grpc_uri(&self) -> String {

@@ -3,7 +3,7 @@
 
 use std::time::{Duration, Instant};
 
-use pdbridge_tests::{Daemon, loopback_server_section, run_to_exit};
+use pdbridge_tests::{Daemon, loopback_config, run_to_exit};
 use tokio_stream::StreamExt;
 use tonic_health::pb::{HealthCheckRequest, health_check_response::ServingStatus, health_client::HealthClient};
 use tonic_reflection::pb::v1::{
@@ -21,7 +21,7 @@ async fn get(url: &str) -> (u16, String) {
 #[tokio::test]
 async fn admin_endpoints_report_alive_not_ready_and_metrics() {
     for (name, _) in DAEMONS {
-        let daemon = Daemon::start(name, &loopback_server_section("5s")).await;
+        let daemon = Daemon::start(name, &loopback_config(name, "5s")).await;
 
         let (status, _) = get(&daemon.admin_url("/healthz")).await;
         assert_eq!(status, 200, "{name} /healthz");
@@ -44,7 +44,7 @@ async fn admin_endpoints_report_alive_not_ready_and_metrics() {
 #[tokio::test]
 async fn grpc_health_is_not_serving_until_the_engine_is_ready() {
     for (name, service) in DAEMONS {
-        let daemon = Daemon::start(name, &loopback_server_section("5s")).await;
+        let daemon = Daemon::start(name, &loopback_config(name, "5s")).await;
         let mut health = HealthClient::new(daemon.channel().await);
         for probe in ["", service] {
             let reply = health.check(HealthCheckRequest { service: probe.into() }).await.expect("check").into_inner();
@@ -58,7 +58,7 @@ async fn grpc_health_is_not_serving_until_the_engine_is_ready() {
 #[tokio::test]
 async fn reflection_lists_both_services_and_health() {
     for (name, _) in DAEMONS {
-        let daemon = Daemon::start(name, &loopback_server_section("5s")).await;
+        let daemon = Daemon::start(name, &loopback_config(name, "5s")).await;
         let mut client = ServerReflectionClient::new(daemon.channel().await);
         let request = ServerReflectionRequest {
             host: String::new(),
@@ -82,12 +82,12 @@ async fn rpcs_refuse_with_unavailable_while_the_engine_is_not_ready() {
     use pdbridge_common::proto::{
         GetSpecRequest, PrefillRequest, cache_store_client::CacheStoreClient, prefiller_client::PrefillerClient,
     };
-    let decoded = Daemon::start("decoded", &loopback_server_section("5s")).await;
+    let decoded = Daemon::start("decoded", &loopback_config("decoded", "5s")).await;
     let err =
         CacheStoreClient::connect(decoded.grpc_uri()).await.unwrap().get_spec(GetSpecRequest {}).await.unwrap_err();
     assert_eq!(err.code(), tonic::Code::Unavailable, "{err:?}");
 
-    let prefilld = Daemon::start("prefilld", &loopback_server_section("5s")).await;
+    let prefilld = Daemon::start("prefilld", &loopback_config("prefilld", "5s")).await;
     let request = PrefillRequest { token_ids: vec![1, 2, 3], decoder_addr: decoded.grpc_uri(), ..Default::default() };
     let err = PrefillerClient::connect(prefilld.grpc_uri()).await.unwrap().prefill(request).await.unwrap_err();
     assert_eq!(err.code(), tonic::Code::Unavailable, "{err:?}");
@@ -98,8 +98,10 @@ async fn invalid_config_exits_2_naming_the_key() {
     let scratch = pdbridge_tests::Scratch::new("badconfig");
     let bad_addr =
         scratch.write("bad.toml", "[server]\ngrpc_listen = \"not-an-address\"\nadmin_listen = \"127.0.0.1:0\"\n");
-    let typo = scratch.write("typo.toml", &format!("{}grpc_lisen = 1\n", loopback_server_section("1s")));
-    let good = scratch.write("good.toml", &loopback_server_section("1s"));
+    // The server section both daemons share.
+    let server = loopback_config("prefilld", "1s");
+    let typo = scratch.write("typo.toml", &format!("{server}grpc_lisen = 1\n"));
+    let good = scratch.write("good.toml", &server);
     let bad_addr = bad_addr.to_str().unwrap();
     let good = good.to_str().unwrap();
 
@@ -127,7 +129,7 @@ async fn invalid_config_exits_2_naming_the_key() {
 async fn sigterm_exits_0_after_draining_within_the_deadline() {
     for (name, _) in DAEMONS {
         // An idle daemon exits at once.
-        let mut daemon = Daemon::start(name, &loopback_server_section("20s")).await;
+        let mut daemon = Daemon::start(name, &loopback_config(name, "20s")).await;
         let t0 = Instant::now();
         daemon.terminate();
         let status = daemon.wait(Duration::from_secs(15)).await;
@@ -135,7 +137,7 @@ async fn sigterm_exits_0_after_draining_within_the_deadline() {
         assert!(t0.elapsed() < Duration::from_secs(15));
 
         // A stream that never ends (a health Watch) is cut at the drain deadline.
-        let mut daemon = Daemon::start(name, &loopback_server_section("2s")).await;
+        let mut daemon = Daemon::start(name, &loopback_config(name, "2s")).await;
         let mut health = HealthClient::new(daemon.channel().await);
         let mut watch = health.watch(HealthCheckRequest { service: String::new() }).await.unwrap().into_inner();
         assert!(watch.next().await.is_some(), "first watch update");

@@ -1,0 +1,58 @@
+//! Supervising an engine child process: restart it with the same parameters
+//! whenever it exits, until shutdown; stop it with SIGTERM, then SIGKILL.
+
+use std::{future::Future, time::Duration};
+
+use tokio::process::Child;
+use tokio_util::sync::CancellationToken;
+
+/// Runs `run_once` (start the child, wait for it to be ready, serve until it
+/// exits) again and again until `stop`, pausing `backoff` between runs.
+/// `on_down` runs after every run, so readiness never outlives the child.
+pub async fn supervise<F, Fut, E>(
+    engine: &'static str,
+    backoff: Duration,
+    stop: CancellationToken,
+    mut run_once: F,
+    on_down: impl Fn(),
+) where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<(), E>>,
+    E: std::fmt::Display,
+{
+    loop {
+        let outcome = run_once().await;
+        on_down();
+        metrics::gauge!("pdbridge_engine_up", "engine" => engine).set(0.0);
+        if stop.is_cancelled() {
+            tracing::info!(engine, "engine stopped");
+            return;
+        }
+        metrics::counter!("pdbridge_engine_restarts_total", "engine" => engine).increment(1);
+        match outcome {
+            Ok(()) => tracing::error!(engine, "engine exited; restarting"),
+            Err(e) => tracing::error!(engine, error = %e, "engine failed; restarting"),
+        }
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tokio::time::sleep(backoff) => {}
+        }
+    }
+}
+
+/// Marks the engine up in metrics (the supervisor marks it down).
+pub fn mark_up(engine: &'static str) {
+    metrics::gauge!("pdbridge_engine_up", "engine" => engine).set(1.0);
+}
+
+/// SIGTERM, up to `grace` for a clean exit, then SIGKILL.
+pub async fn terminate(child: &mut Child, grace: Duration) -> std::io::Result<()> {
+    if let Some(pid) = child.id() {
+        // SAFETY: kill(2) on our own child, which has not been reaped (id() is Some).
+        unsafe { libc::kill(pid as i32, libc::SIGTERM) };
+    }
+    if tokio::time::timeout(grace, child.wait()).await.is_err() {
+        child.kill().await?;
+    }
+    Ok(())
+}

@@ -1,0 +1,114 @@
+//! The decoder's cache spec: its fingerprint and what it says one block
+//! tensor must look like.
+
+use prost::Message;
+use sha2::{Digest, Sha256};
+
+use crate::{
+    proto::{CacheSpec, Dtype},
+    shard::Expected,
+};
+
+/// Hex SHA-256 over the spec's protobuf encoding with `spec_fingerprint`
+/// cleared. Maps are ordered (`build.rs`), so the encoding is deterministic.
+pub fn fingerprint(spec: &CacheSpec) -> String {
+    let mut unsigned = spec.clone();
+    unsigned.spec_fingerprint.clear();
+    hex(&Sha256::digest(unsigned.encode_to_vec()))
+}
+
+/// Lower-case hex of `bytes`.
+pub fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The dtype and full shape of tensor `name` of `layer` in one block, or
+/// `None` when the spec has no such tensor.
+pub fn block_tensor(spec: &CacheSpec, layer: u32, name: &str) -> Option<Expected> {
+    let layer = spec.layers.get(layer as usize)?;
+    let tensor = layer.tensors.iter().find(|t| t.name == name)?;
+    let mut shape = tensor.shape.clone();
+    *shape.get_mut(tensor.token_axis as usize)? = spec.block_tokens as u64;
+    Some(Expected { dtype: tensor.dtype(), shape })
+}
+
+/// Bytes of cache one token costs across all layers.
+pub fn bytes_per_token(spec: &CacheSpec) -> u64 {
+    spec.layers
+        .iter()
+        .flat_map(|l| &l.tensors)
+        .map(|t| t.shape.iter().product::<u64>() * t.dtype().size_bytes().unwrap_or(0) as u64)
+        .sum()
+}
+
+impl Dtype {
+    /// Parses a safetensors dtype name ("F32", "BF16", …).
+    pub fn from_safetensors_name(name: &str) -> Option<Dtype> {
+        Some(match name {
+            "F32" => Dtype::F32,
+            "F16" => Dtype::F16,
+            "BF16" => Dtype::Bf16,
+            "U32" => Dtype::U32,
+            "I32" => Dtype::I32,
+            "U8" => Dtype::U8,
+            _ => return None,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::proto::{LayerSpec, Rope, TensorSpec};
+
+    pub fn small_spec() -> CacheSpec {
+        let tensor = |name: &str| TensorSpec {
+            name: name.into(),
+            dtype: Dtype::F32 as i32,
+            shape: vec![1, 3, 1, 64],
+            token_axis: 2,
+        };
+        let mut spec = CacheSpec {
+            model_id: "m".into(),
+            num_layers: 2,
+            block_tokens: 16,
+            layers: (0..2)
+                .map(|index| LayerSpec {
+                    index,
+                    cache_class: "KVCache".into(),
+                    tensors: vec![tensor("keys"), tensor("values")],
+                    rope: Some(Rope { kind: "default".into(), base: 1e5, dims: 64, ..Default::default() }),
+                    ..Default::default()
+                })
+                .collect(),
+            ..Default::default()
+        };
+        spec.spec_fingerprint = fingerprint(&spec);
+        spec
+    }
+
+    #[test]
+    fn fingerprint_ignores_itself_and_sees_everything_else() {
+        let spec = small_spec();
+        assert_eq!(fingerprint(&spec), spec.spec_fingerprint);
+        let mut other = spec.clone();
+        other.layers[1].rope.as_mut().unwrap().base = 1e4;
+        assert_ne!(fingerprint(&other), spec.spec_fingerprint);
+        let mut scaled = spec.clone();
+        for (k, v) in [("factor", 8.0), ("low_freq_factor", 1.0), ("high_freq_factor", 4.0)] {
+            scaled.layers[0].rope.as_mut().unwrap().scaling.insert(k.into(), v);
+        }
+        assert_eq!(fingerprint(&scaled), fingerprint(&scaled.clone()), "deterministic with maps");
+    }
+
+    #[test]
+    fn block_tensor_shape_spans_the_block() {
+        let spec = small_spec();
+        let expected = block_tensor(&spec, 1, "values").unwrap();
+        assert_eq!(expected.shape, vec![1, 3, 16, 64]);
+        assert_eq!(expected.byte_len(), 3 * 16 * 64 * 4);
+        assert!(block_tensor(&spec, 2, "keys").is_none());
+        assert!(block_tensor(&spec, 0, "queries").is_none());
+        assert_eq!(bytes_per_token(&spec), 2 * 2 * 3 * 64 * 4);
+    }
+}

@@ -1,0 +1,430 @@
+//! The decode engine: the mlx-lm adapter (`decoded/engine/pdbridge_mlx`) as a
+//! supervised child process, and a typed client for its unix-socket protocol.
+//!
+//! Protocol: one request per connection, a JSON object and a newline; the
+//! adapter answers with JSON lines and closes. A line with `"error"` ends a
+//! failed request. The adapter prints `{"ready": true}` on stdout once its
+//! model is loaded and its reconstruction bundle written.
+
+use std::{
+    collections::BTreeMap,
+    path::{Path, PathBuf},
+    process::Stdio,
+    sync::Arc,
+    time::Duration,
+};
+
+use pdbridge_common::{
+    process,
+    proto::{CacheSpec, Dtype, LayerSpec, Rope, TensorSpec},
+    readiness::Readiness,
+    spec,
+};
+use serde::{Deserialize, Serialize};
+use tokio::{
+    io::{AsyncBufReadExt, AsyncWriteExt, BufReader, Lines},
+    net::{UnixStream, unix::OwnedReadHalf},
+    process::{Child, Command},
+    sync::watch,
+};
+use tokio_util::sync::CancellationToken;
+
+use crate::config::EngineConfig;
+
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error("decode engine is not ready")]
+    NotReady,
+    #[error("decode engine connection: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("decode engine sent an unreadable reply: {0}")]
+    Protocol(String),
+    /// The adapter refused the request as malformed (e.g. a block that does
+    /// not match the spec).
+    #[error("decode engine refused the request: {0}")]
+    BadRequest(String),
+    #[error("decode engine failed: {0}")]
+    Internal(String),
+}
+
+// ---------------------------------------------------------------------------
+// Wire types of the adapter protocol.
+// ---------------------------------------------------------------------------
+
+#[derive(Debug, Deserialize)]
+struct InfoReply {
+    model_id: String,
+    spec: SpecJson,
+    bundle_path: PathBuf,
+    bundle_sha256: String,
+    tokenizer_sha256: String,
+}
+
+#[derive(Debug, Deserialize)]
+struct SpecJson {
+    architecture: String,
+    num_layers: u32,
+    num_attention_heads: u32,
+    num_kv_heads: u32,
+    head_dim: u32,
+    hidden_size: u32,
+    vocab_size: u32,
+    max_context: u32,
+    block_tokens: u32,
+    layers: Vec<LayerJson>,
+}
+
+#[derive(Debug, Deserialize)]
+struct LayerJson {
+    index: u32,
+    cache_class: String,
+    tensors: Vec<TensorJson>,
+    rope: RopeJson,
+    #[serde(default)]
+    window: u32,
+    #[serde(default)]
+    keep: u32,
+    #[serde(default)]
+    kv_bits: u32,
+    #[serde(default)]
+    kv_group_size: u32,
+}
+
+#[derive(Debug, Deserialize)]
+struct TensorJson {
+    name: String,
+    dtype: String,
+    shape: Vec<u64>,
+    token_axis: u32,
+}
+
+#[derive(Debug, Deserialize)]
+struct RopeJson {
+    kind: String,
+    base: f64,
+    traditional: bool,
+    dims: u32,
+    #[serde(default)]
+    scaling: BTreeMap<String, f64>,
+}
+
+/// What the decoder tokenizes.
+#[derive(Debug, Serialize)]
+#[serde(untagged)]
+pub enum TokenizeInput<'a> {
+    Chat { messages: &'a serde_json::Value, add_generation_prompt: bool },
+    Text { prompt: &'a str },
+}
+
+/// A generation request; `blocks` are store files covering the prompt's start.
+#[derive(Debug, Serialize)]
+pub struct GenerateRequest<'a> {
+    pub tokens: &'a [u32],
+    pub blocks: &'a [PathBuf],
+    pub spec_fingerprint: &'a str,
+    pub max_tokens: u32,
+    pub temperature: f32,
+    pub top_p: f32,
+    pub seed: Option<u64>,
+}
+
+/// One line of a generation.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum GenerateEvent {
+    Token { token: u32, text: String },
+    Done(GenerateSummary),
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct GenerateSummary {
+    pub done: bool,
+    pub finish_reason: String,
+    pub prompt_tokens: u32,
+    pub cached_tokens: u32,
+    pub completion_tokens: u32,
+    #[serde(default)]
+    pub timings_ms: BTreeMap<String, f64>,
+}
+
+#[derive(Debug, Deserialize)]
+struct ErrorReply {
+    error: String,
+    #[serde(default)]
+    kind: String,
+}
+
+// ---------------------------------------------------------------------------
+// The engine as the rest of decoded sees it.
+// ---------------------------------------------------------------------------
+
+/// The decoder's identity once its engine is up.
+#[derive(Debug, Clone)]
+pub struct EngineInfo {
+    pub spec: CacheSpec,
+    pub bundle_path: PathBuf,
+}
+
+/// Handle to the decode engine: a client plus the current [`EngineInfo`]
+/// (None while the engine is down).
+#[derive(Clone)]
+pub struct Engine {
+    socket: PathBuf,
+    info: watch::Receiver<Option<Arc<EngineInfo>>>,
+}
+
+impl Engine {
+    pub fn info(&self) -> Result<Arc<EngineInfo>, EngineError> {
+        self.info.borrow().clone().ok_or(EngineError::NotReady)
+    }
+
+    /// The decoder's token ids for a chat or a plain prompt.
+    pub async fn tokenize(&self, input: TokenizeInput<'_>) -> Result<Vec<u32>, EngineError> {
+        self.info()?;
+        #[derive(Serialize)]
+        struct Req<'a> {
+            op: &'static str,
+            #[serde(flatten)]
+            input: TokenizeInput<'a>,
+        }
+        #[derive(Deserialize)]
+        struct Reply {
+            tokens: Vec<u32>,
+        }
+        let mut lines = request(&self.socket, &Req { op: "tokenize", input }).await?;
+        let reply: Reply = next_reply(&mut lines).await?;
+        Ok(reply.tokens)
+    }
+
+    /// Starts a generation; read its events from the returned stream.
+    pub async fn generate(&self, req: &GenerateRequest<'_>) -> Result<Generation, EngineError> {
+        self.info()?;
+        #[derive(Serialize)]
+        struct Req<'a, 'b> {
+            op: &'static str,
+            #[serde(flatten)]
+            req: &'a GenerateRequest<'b>,
+        }
+        let lines = request(&self.socket, &Req { op: "generate", req }).await?;
+        Ok(Generation { lines, finished: false })
+    }
+}
+
+/// The events of one generation, in order, ending with [`GenerateEvent::Done`].
+pub struct Generation {
+    lines: Lines<BufReader<OwnedReadHalf>>,
+    finished: bool,
+}
+
+impl Generation {
+    pub async fn next(&mut self) -> Option<Result<GenerateEvent, EngineError>> {
+        if self.finished {
+            return None;
+        }
+        let event = next_reply::<GenerateEvent>(&mut self.lines).await;
+        self.finished = !matches!(event, Ok(GenerateEvent::Token { .. }));
+        Some(event)
+    }
+}
+
+async fn request(socket: &Path, body: &impl Serialize) -> Result<Lines<BufReader<OwnedReadHalf>>, EngineError> {
+    let stream = UnixStream::connect(socket).await?;
+    let (read, mut write) = stream.into_split();
+    let mut line = serde_json::to_vec(body).map_err(|e| EngineError::Protocol(e.to_string()))?;
+    line.push(b'\n');
+    write.write_all(&line).await?;
+    write.shutdown().await?;
+    Ok(BufReader::new(read).lines())
+}
+
+async fn next_reply<T: for<'de> Deserialize<'de>>(
+    lines: &mut Lines<BufReader<OwnedReadHalf>>,
+) -> Result<T, EngineError> {
+    let line =
+        lines.next_line().await?.ok_or_else(|| EngineError::Protocol("connection closed before a reply".into()))?;
+    if let Ok(err) = serde_json::from_str::<ErrorReply>(&line) {
+        return Err(if err.kind == "bad_request" {
+            EngineError::BadRequest(err.error)
+        } else {
+            EngineError::Internal(err.error)
+        });
+    }
+    serde_json::from_str(&line).map_err(|e| EngineError::Protocol(format!("{e}: {line}")))
+}
+
+fn to_spec(reply: InfoReply) -> Result<EngineInfo, EngineError> {
+    let s = reply.spec;
+    let layers = s
+        .layers
+        .into_iter()
+        .map(|l| {
+            let tensors = l
+                .tensors
+                .into_iter()
+                .map(|t| {
+                    let dtype = Dtype::from_safetensors_name(&t.dtype)
+                        .ok_or_else(|| EngineError::Protocol(format!("unknown dtype {}", t.dtype)))?;
+                    Ok(TensorSpec { name: t.name, dtype: dtype as i32, shape: t.shape, token_axis: t.token_axis })
+                })
+                .collect::<Result<Vec<_>, EngineError>>()?;
+            Ok(LayerSpec {
+                index: l.index,
+                cache_class: l.cache_class,
+                tensors,
+                rope: Some(Rope {
+                    kind: l.rope.kind,
+                    base: l.rope.base,
+                    traditional: l.rope.traditional,
+                    dims: l.rope.dims,
+                    scaling: l.rope.scaling,
+                }),
+                window: l.window,
+                keep: l.keep,
+                kv_bits: l.kv_bits,
+                kv_group_size: l.kv_group_size,
+            })
+        })
+        .collect::<Result<Vec<_>, EngineError>>()?;
+    let mut spec = CacheSpec {
+        model_id: reply.model_id,
+        architecture: s.architecture,
+        num_layers: s.num_layers,
+        num_attention_heads: s.num_attention_heads,
+        num_kv_heads: s.num_kv_heads,
+        head_dim: s.head_dim,
+        hidden_size: s.hidden_size,
+        vocab_size: s.vocab_size,
+        max_context: s.max_context,
+        block_tokens: s.block_tokens,
+        layers,
+        weights_fingerprint: reply.bundle_sha256,
+        tokenizer_fingerprint: reply.tokenizer_sha256,
+        spec_fingerprint: String::new(),
+    };
+    spec.spec_fingerprint = spec::fingerprint(&spec);
+    Ok(EngineInfo { spec, bundle_path: reply.bundle_path })
+}
+
+// ---------------------------------------------------------------------------
+// Supervision.
+// ---------------------------------------------------------------------------
+
+/// Starts the adapter and keeps it running until `stop`: waits for its ready
+/// line, loads its spec, flips `readiness`, and restarts it (same arguments)
+/// whenever it exits.
+pub fn supervise(config: EngineConfig, block_tokens: u32, readiness: Readiness, stop: CancellationToken) -> Engine {
+    let (info_tx, info_rx) = watch::channel(None);
+    let engine = Engine { socket: config.socket.clone(), info: info_rx };
+    tokio::spawn(async move {
+        let on_down = || {
+            readiness.set(false);
+            info_tx.send_replace(None);
+        };
+        let run = || run_once(&config, block_tokens, &readiness, &info_tx, &stop);
+        process::supervise(ENGINE, config.restart_backoff, stop.clone(), run, on_down).await;
+    });
+    engine
+}
+
+/// Engine label in metrics.
+const ENGINE: &str = "mlx";
+
+/// How long the adapter gets to exit after SIGTERM.
+const STOP_GRACE: Duration = Duration::from_secs(10);
+
+async fn run_once(
+    config: &EngineConfig,
+    block_tokens: u32,
+    readiness: &Readiness,
+    info_tx: &watch::Sender<Option<Arc<EngineInfo>>>,
+    stop: &CancellationToken,
+) -> Result<(), EngineError> {
+    let mut child = spawn(config, block_tokens)?;
+    let stdout = child.stdout.take().expect("piped stdout");
+    let mut lines = BufReader::new(stdout).lines();
+    let started = tokio::time::Instant::now();
+    let ready = tokio::select! {
+        _ = stop.cancelled() => return stop_child(child).await,
+        r = tokio::time::timeout(config.start_timeout, wait_ready(&mut lines)) => r,
+    };
+    match ready {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => {
+            let _ = stop_child(child).await;
+            return Err(e);
+        }
+        Err(_) => {
+            let _ = stop_child(child).await;
+            return Err(EngineError::Internal(format!("not ready after {:?}", config.start_timeout)));
+        }
+    }
+    let info = match request(&config.socket, &serde_json::json!({"op": "info"})).await {
+        Ok(mut lines) => next_reply::<InfoReply>(&mut lines).await.and_then(to_spec),
+        Err(e) => Err(e),
+    };
+    let info = match info {
+        Ok(info) => info,
+        Err(e) => {
+            let _ = stop_child(child).await;
+            return Err(e);
+        }
+    };
+    if info.spec.block_tokens != block_tokens {
+        let _ = stop_child(child).await;
+        return Err(EngineError::Protocol(format!(
+            "engine block size {} differs from store.block_tokens {block_tokens}",
+            info.spec.block_tokens
+        )));
+    }
+    tracing::info!(
+        model = %info.spec.model_id,
+        layers = info.spec.num_layers,
+        spec = %info.spec.spec_fingerprint,
+        bytes_per_token = spec::bytes_per_token(&info.spec),
+        startup = ?started.elapsed(),
+        "decode engine ready"
+    );
+    info_tx.send_replace(Some(Arc::new(info)));
+    readiness.set(true);
+    process::mark_up(ENGINE);
+    tokio::select! {
+        _ = stop.cancelled() => stop_child(child).await,
+        status = child.wait() => Err(EngineError::Internal(format!("adapter exited: {}", status?))),
+    }
+}
+
+fn spawn(config: &EngineConfig, block_tokens: u32) -> Result<Child, EngineError> {
+    if let Some(dir) = config.socket.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    let mut cmd = Command::new(&config.python);
+    cmd.arg("-m")
+        .arg("pdbridge_mlx")
+        .arg("--model")
+        .arg(&config.model)
+        .arg("--socket")
+        .arg(&config.socket)
+        .arg("--block-tokens")
+        .arg(block_tokens.to_string())
+        .env("PYTHONPATH", &config.adapter_dir)
+        .env("HF_HUB_OFFLINE", "1")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .kill_on_drop(true);
+    tracing::info!(python = %config.python.display(), model = %config.model.display(), "starting decode engine");
+    cmd.spawn().map_err(|e| EngineError::Internal(format!("spawn {}: {e}", config.python.display())))
+}
+
+async fn wait_ready(lines: &mut Lines<BufReader<tokio::process::ChildStdout>>) -> Result<(), EngineError> {
+    while let Some(line) = lines.next_line().await? {
+        if serde_json::from_str::<serde_json::Value>(&line).is_ok_and(|v| v["ready"] == true) {
+            return Ok(());
+        }
+    }
+    Err(EngineError::Internal("adapter exited before it was ready".into()))
+}
+
+async fn stop_child(mut child: Child) -> Result<(), EngineError> {
+    Ok(process::terminate(&mut child, STOP_GRACE).await?)
+}

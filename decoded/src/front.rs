@@ -1,0 +1,547 @@
+//! The OpenAI-compatible front door (`/v1/chat/completions`, `/v1/completions`,
+//! `/v1/models`), which decides per request whether to bridge or to serve
+//! natively and says which in the `X-PD-Bridge` header.
+//!
+//! Per request: tokenize with the decoder's own tokenizer, look up the cached
+//! prefix, and — when the uncached whole blocks reach `front.min_bridge_tokens`
+//! and prefilld is healthy — ask prefilld to prefill and push them, then
+//! generate from the store. The verdict is `bridged` (every whole block came
+//! from the store), `partial` (a prefix did), `cached` (the store already had
+//! them), or `native` with a reason. A native answer never claims `bridged`:
+//! the verdict's covered tokens are the ones the engine actually restored.
+
+use std::{collections::BTreeMap, convert::Infallible, sync::Arc, time::Duration};
+
+use axum::{
+    Json, Router,
+    extract::State,
+    http::{HeaderMap, HeaderValue, StatusCode},
+    response::{IntoResponse, Response, Sse, sse::Event},
+    routing::{get, post},
+};
+use pdbridge_common::{
+    block,
+    proto::{
+        PrefillRequest, outcome::Status as OutcomeStatus, prefill_event::Event as PrefillEventKind,
+        prefiller_client::PrefillerClient,
+    },
+};
+use serde::Serialize;
+use serde_json::{Value, json};
+use tokio::time::Instant;
+use tonic::transport::{Channel, Endpoint};
+use tonic_health::pb::{HealthCheckRequest, health_check_response::ServingStatus, health_client::HealthClient};
+
+use crate::{
+    config::FrontConfig,
+    engine::{Engine, EngineError, GenerateEvent, GenerateRequest, GenerateSummary, TokenizeInput},
+    store::Store,
+};
+
+/// The request header that picks a mode for A/B runs and debugging.
+const MODE_HEADER: &str = "x-pd-bridge-mode";
+/// The response header carrying the verdict.
+const VERDICT_HEADER: &str = "x-pd-bridge";
+
+#[derive(Clone)]
+struct Front {
+    engine: Option<Engine>,
+    store: Arc<Store>,
+    config: Arc<FrontConfig>,
+    /// How prefilld reaches this decoder's CacheStore.
+    advertise_addr: String,
+    prefilld: Option<Channel>,
+}
+
+pub fn router(engine: Option<Engine>, store: Arc<Store>, config: FrontConfig, advertise_addr: String) -> Router {
+    let prefilld = config.prefilld.as_ref().and_then(|addr| match Endpoint::from_shared(addr.clone()) {
+        Ok(endpoint) => Some(endpoint.tcp_nodelay(true).connect_lazy()),
+        Err(e) => {
+            tracing::error!(addr, error = %e, "front.prefilld is not a valid URI; bridging disabled");
+            None
+        }
+    });
+    let state = Front { engine, store, config: Arc::new(config), advertise_addr, prefilld };
+    Router::new()
+        .route("/v1/chat/completions", post(chat))
+        .route("/v1/completions", post(completions))
+        .route("/v1/models", get(models))
+        .with_state(state)
+}
+
+// ---------------------------------------------------------------------------
+// Errors and verdicts.
+// ---------------------------------------------------------------------------
+
+#[derive(Debug, thiserror::Error)]
+enum FrontError {
+    #[error("{0}")]
+    BadRequest(String),
+    #[error("decode engine is not ready")]
+    EngineUnavailable,
+    #[error("decode engine refused the request: {0}")]
+    EngineRefused(String),
+    #[error("decode engine failed: {0}")]
+    Engine(String),
+    /// `X-PD-Bridge-Mode: bridge` and the bridge could not be used.
+    #[error("bridge required but unavailable: {reason}")]
+    BridgeRequired { reason: &'static str, detail: String },
+}
+
+impl From<EngineError> for FrontError {
+    fn from(e: EngineError) -> Self {
+        match e {
+            EngineError::NotReady => FrontError::EngineUnavailable,
+            EngineError::BadRequest(m) => FrontError::EngineRefused(m),
+            other => FrontError::Engine(other.to_string()),
+        }
+    }
+}
+
+impl IntoResponse for FrontError {
+    fn into_response(self) -> Response {
+        let (status, kind) = match &self {
+            FrontError::BadRequest(_) => (StatusCode::BAD_REQUEST, "invalid_request_error"),
+            FrontError::EngineUnavailable => (StatusCode::SERVICE_UNAVAILABLE, "engine_unavailable"),
+            FrontError::EngineRefused(_) | FrontError::Engine(_) => (StatusCode::INTERNAL_SERVER_ERROR, "engine_error"),
+            FrontError::BridgeRequired { .. } => (StatusCode::BAD_GATEWAY, "bridge_unavailable"),
+        };
+        let mut response =
+            (status, Json(json!({"error": {"message": self.to_string(), "type": kind}}))).into_response();
+        if let FrontError::BridgeRequired { reason, .. } = &self {
+            let verdict = json!({"outcome": "failed", "reason": reason}).to_string();
+            response.headers_mut().insert(VERDICT_HEADER, HeaderValue::from_str(&verdict).expect("ascii json"));
+        }
+        response
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    Auto,
+    Native,
+    Bridge,
+}
+
+/// What the response's `X-PD-Bridge` header says.
+#[derive(Debug, Clone, Serialize)]
+struct Verdict {
+    outcome: &'static str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    reason: Option<&'static str>,
+    prompt_tokens: u32,
+    /// Prompt tokens restored from the store.
+    cached_tokens: u32,
+    /// Blocks this request pushed through the bridge.
+    blocks: u32,
+    bytes: u64,
+    timings_ms: BTreeMap<String, f64>,
+}
+
+/// The plan for one request, before generation.
+struct Plan {
+    verdict: Verdict,
+    /// Store blocks the engine restores (a prefix of the prompt's keys).
+    blocks: usize,
+}
+
+// ---------------------------------------------------------------------------
+// Handlers.
+// ---------------------------------------------------------------------------
+
+async fn models(State(front): State<Front>) -> Json<Value> {
+    Json(
+        json!({"object": "list", "data": [{"id": front.config.model_name, "object": "model", "owned_by": "pd-bridge"}]}),
+    )
+}
+
+async fn chat(State(front): State<Front>, headers: HeaderMap, Json(body): Json<Value>) -> Result<Response, FrontError> {
+    let messages = body
+        .get("messages")
+        .filter(|m| m.is_array())
+        .ok_or(FrontError::BadRequest("`messages` must be an array".into()))?;
+    let input = TokenizeInput::Chat { messages, add_generation_prompt: true };
+    front.complete(&headers, &body, input, Kind::Chat).await
+}
+
+async fn completions(
+    State(front): State<Front>,
+    headers: HeaderMap,
+    Json(body): Json<Value>,
+) -> Result<Response, FrontError> {
+    let prompt =
+        body.get("prompt").and_then(Value::as_str).ok_or(FrontError::BadRequest("`prompt` must be a string".into()))?;
+    front.complete(&headers, &body, TokenizeInput::Text { prompt }, Kind::Text).await
+}
+
+#[derive(Clone, Copy)]
+enum Kind {
+    Chat,
+    Text,
+}
+
+/// Sampling parameters from an OpenAI request body.
+struct Sampling {
+    max_tokens: u32,
+    temperature: f32,
+    top_p: f32,
+    seed: Option<u64>,
+    stream: bool,
+}
+
+fn sampling(body: &Value, default_max_tokens: u32) -> Result<Sampling, FrontError> {
+    let number = |key: &str| body.get(key).filter(|v| !v.is_null());
+    let bad = |key: &str, what: &str| FrontError::BadRequest(format!("`{key}` must be {what}"));
+    let max_tokens = match number("max_completion_tokens").or(number("max_tokens")) {
+        Some(v) => v.as_u64().filter(|n| *n > 0).ok_or_else(|| bad("max_tokens", "a positive integer"))? as u32,
+        None => default_max_tokens,
+    };
+    let temperature = match number("temperature") {
+        Some(v) => {
+            v.as_f64().filter(|t| (0.0..=2.0).contains(t)).ok_or_else(|| bad("temperature", "between 0 and 2"))? as f32
+        }
+        None => 1.0,
+    };
+    let top_p = match number("top_p") {
+        Some(v) => v.as_f64().filter(|p| *p > 0.0 && *p <= 1.0).ok_or_else(|| bad("top_p", "in (0, 1]"))? as f32,
+        None => 1.0,
+    };
+    let seed = number("seed").map(|v| v.as_u64().ok_or_else(|| bad("seed", "a non-negative integer"))).transpose()?;
+    let stream =
+        number("stream").map(|v| v.as_bool().ok_or_else(|| bad("stream", "a boolean"))).transpose()?.unwrap_or(false);
+    Ok(Sampling { max_tokens, temperature, top_p, seed, stream })
+}
+
+fn mode(headers: &HeaderMap) -> Result<Mode, FrontError> {
+    match headers.get(MODE_HEADER).map(|v| v.to_str().unwrap_or("").trim().to_ascii_lowercase()) {
+        None => Ok(Mode::Auto),
+        Some(v) if v == "auto" => Ok(Mode::Auto),
+        Some(v) if v == "native" => Ok(Mode::Native),
+        Some(v) if v == "bridge" => Ok(Mode::Bridge),
+        Some(v) => Err(FrontError::BadRequest(format!("{MODE_HEADER} must be auto, native or bridge, not {v:?}"))),
+    }
+}
+
+impl Front {
+    async fn complete(
+        &self,
+        headers: &HeaderMap,
+        body: &Value,
+        input: TokenizeInput<'_>,
+        kind: Kind,
+    ) -> Result<Response, FrontError> {
+        let started = Instant::now();
+        let mode = mode(headers)?;
+        let sampling = sampling(body, self.config.default_max_tokens)?;
+        let engine = self.engine.as_ref().ok_or(FrontError::EngineUnavailable)?;
+        let _in_flight = InFlight::enter();
+        let tokens = engine.tokenize(input).await?;
+        if tokens.is_empty() {
+            return Err(FrontError::BadRequest("the prompt tokenizes to nothing".into()));
+        }
+        let tokenized_ms = ms(started);
+        let mut plan = self.plan(engine, &tokens, mode).await?;
+        plan.verdict.timings_ms.insert("tokenize".into(), tokenized_ms);
+        let info = engine.info()?;
+        let keys = block::keys(&info.spec.spec_fingerprint, &tokens, info.spec.block_tokens as usize);
+        let lease = self.store.lease(&keys[..plan.blocks]);
+        if lease.paths().len() < plan.blocks {
+            // Evicted between planning and leasing: serve what is still there, honestly.
+            plan.blocks = lease.paths().len();
+        }
+        let request = GenerateRequest {
+            tokens: &tokens,
+            blocks: lease.paths(),
+            spec_fingerprint: &info.spec.spec_fingerprint,
+            max_tokens: sampling.max_tokens,
+            temperature: sampling.temperature,
+            top_p: sampling.top_p,
+            seed: sampling.seed,
+        };
+        let mut generation = engine.generate(&request).await?;
+        drop(lease);
+        let id = format!("pdb-{:x}", started.elapsed().as_nanos() ^ std::process::id() as u128);
+        let created = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_secs();
+        let model = self.config.model_name.clone();
+        plan.verdict.timings_ms.insert("generate_start".into(), ms(started));
+
+        if sampling.stream {
+            let verdict = plan.verdict.clone();
+            let (tx, rx) = tokio::sync::mpsc::channel::<Event>(16);
+            tokio::spawn(async move {
+                let mut first = true;
+                while let Some(event) = generation.next().await {
+                    let data = match event {
+                        Ok(GenerateEvent::Token { text, .. }) => {
+                            if std::mem::take(&mut first) {
+                                record_ttft(&verdict, started);
+                            }
+                            chunk_json(kind, &id, created, &model, Some(&text), None)
+                        }
+                        Ok(GenerateEvent::Done(summary)) => {
+                            if let Err(e) = check_restored(&verdict, &summary) {
+                                json!({"error": {"message": e.to_string(), "type": "engine_error"}})
+                            } else {
+                                record_outcome(&verdict);
+                                let mut last =
+                                    chunk_json(kind, &id, created, &model, None, Some(&summary.finish_reason));
+                                last["usage"] = usage(&summary);
+                                last
+                            }
+                        }
+                        Err(e) => json!({"error": {"message": e.to_string(), "type": "engine_error"}}),
+                    };
+                    if tx.send(Event::default().data(data.to_string())).await.is_err() {
+                        return;
+                    }
+                }
+                let _ = tx.send(Event::default().data("[DONE]")).await;
+            });
+            let stream =
+                tokio_stream::StreamExt::map(tokio_stream::wrappers::ReceiverStream::new(rx), Ok::<_, Infallible>);
+            let mut response = Sse::new(stream).into_response();
+            set_verdict(&mut response, &plan.verdict);
+            return Ok(response);
+        }
+
+        let mut text = String::new();
+        let summary = loop {
+            match generation.next().await {
+                Some(Ok(GenerateEvent::Token { text: piece, .. })) => {
+                    if text.is_empty() {
+                        record_ttft(&plan.verdict, started);
+                        plan.verdict.timings_ms.insert("first_token".into(), ms(started));
+                    }
+                    text.push_str(&piece);
+                }
+                Some(Ok(GenerateEvent::Done(summary))) => break summary,
+                Some(Err(e)) => return Err(e.into()),
+                None => return Err(FrontError::Engine("generation ended without a summary".into())),
+            }
+        };
+        plan.verdict.timings_ms.insert("total".into(), ms(started));
+        for (stage, value) in &summary.timings_ms {
+            plan.verdict.timings_ms.insert(format!("engine_{stage}"), *value);
+        }
+        check_restored(&plan.verdict, &summary)?;
+        record_outcome(&plan.verdict);
+        let body = match kind {
+            Kind::Chat => json!({
+                "id": id, "object": "chat.completion", "created": created, "model": model,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": summary.finish_reason}],
+                "usage": usage(&summary),
+            }),
+            Kind::Text => json!({
+                "id": id, "object": "text_completion", "created": created, "model": model,
+                "choices": [{"index": 0, "text": text, "finish_reason": summary.finish_reason}],
+                "usage": usage(&summary),
+            }),
+        };
+        let mut response = Json(body).into_response();
+        set_verdict(&mut response, &plan.verdict);
+        Ok(response)
+    }
+}
+
+impl Front {
+    /// Decides how this prompt is served and, when bridging, runs the bridge.
+    async fn plan(&self, engine: &Engine, tokens: &[u32], mode: Mode) -> Result<Plan, FrontError> {
+        let info = engine.info()?;
+        let b = info.spec.block_tokens as usize;
+        let keys = block::keys(&info.spec.spec_fingerprint, tokens, b);
+        let verdict = |outcome, reason, restored: usize| Verdict {
+            outcome,
+            reason,
+            prompt_tokens: tokens.len() as u32,
+            cached_tokens: (restored * b).min(tokens.len() - 1) as u32,
+            blocks: 0,
+            bytes: 0,
+            timings_ms: BTreeMap::new(),
+        };
+        let plain = |outcome, reason, restored| Plan { verdict: verdict(outcome, reason, restored), blocks: restored };
+        if mode == Mode::Native {
+            return Ok(plain("native", Some("requested"), 0));
+        }
+        let cached = self.store.longest_prefix(&keys);
+        let missing_tokens = (keys.len() - cached) * b;
+        // Why the bridge is not used for the missing blocks, if it is not.
+        let refusal = if missing_tokens == 0 {
+            Some(if cached > 0 { None } else { Some("short_prompt") })
+        } else if !self.config.bridge {
+            Some(Some("disabled"))
+        } else if mode == Mode::Auto && missing_tokens < self.config.min_bridge_tokens as usize {
+            Some(Some("short_prompt"))
+        } else if !self.prefilld_serving().await {
+            Some(Some("prefill_unavailable"))
+        } else {
+            None
+        };
+        if let Some(reason) = refusal {
+            if let (Mode::Bridge, Some(reason)) = (mode, reason) {
+                return Err(FrontError::BridgeRequired { reason, detail: String::new() });
+            }
+            let outcome = if cached > 0 { "cached" } else { "native" };
+            return Ok(plain(outcome, reason, cached));
+        }
+
+        let started = Instant::now();
+        let bridged = self.bridge(tokens, cached as u32).await;
+        let now_cached = self.store.longest_prefix(&keys);
+        let (outcome, reason) = match &bridged {
+            _ if now_cached == keys.len() && now_cached > cached => ("bridged", None),
+            Ok(_) if now_cached > cached => ("partial", None),
+            Err((reason, _)) if now_cached > cached => ("partial", Some(*reason)),
+            Ok(_) => (if cached > 0 { "cached" } else { "native" }, Some("transfer_failed")),
+            Err((reason, _)) => (if cached > 0 { "cached" } else { "native" }, Some(*reason)),
+        };
+        if let Err((reason, detail)) = &bridged {
+            tracing::warn!(reason, detail, outcome, "bridge fell short");
+            if mode == Mode::Bridge && outcome != "bridged" {
+                return Err(FrontError::BridgeRequired { reason, detail: detail.clone() });
+            }
+        }
+        let mut plan = plain(outcome, reason, now_cached);
+        plan.verdict.timings_ms.insert("bridge".into(), ms(started));
+        if let Ok(outcome) = bridged {
+            plan.verdict.blocks = outcome.blocks_committed;
+            plan.verdict.bytes = outcome.bytes;
+            for (stage, value) in outcome.stage_ms {
+                plan.verdict.timings_ms.insert(format!("prefill_{stage}"), value);
+            }
+        }
+        Ok(plan)
+    }
+
+    /// Whether prefilld's health says its Prefiller is SERVING.
+    async fn prefilld_serving(&self) -> bool {
+        let Some(channel) = self.prefilld.clone() else { return false };
+        let mut health = HealthClient::new(channel);
+        let check = health.check(HealthCheckRequest { service: "pdbridge.v1.Prefiller".into() });
+        matches!(
+            tokio::time::timeout(Duration::from_secs(2), check).await,
+            Ok(Ok(reply)) if reply.get_ref().status() == ServingStatus::Serving
+        )
+    }
+
+    /// Asks prefilld to prefill and push the missing blocks; returns its
+    /// outcome or (reason, detail).
+    async fn bridge(
+        &self,
+        tokens: &[u32],
+        first_block: u32,
+    ) -> Result<pdbridge_common::proto::Outcome, (&'static str, String)> {
+        let channel = self.prefilld.clone().ok_or(("prefill_unavailable", "no prefilld configured".to_owned()))?;
+        let deadline = self.config.prefill_deadline_base
+            + self.config.prefill_deadline_per_1k_tokens.mul_f64(tokens.len() as f64 / 1000.0);
+        let request = PrefillRequest {
+            request_id: String::new(),
+            token_ids: tokens.to_vec(),
+            decoder_addr: self.advertise_addr.clone(),
+            first_block: Some(first_block),
+        };
+        let run = async move {
+            let mut events = PrefillerClient::new(channel)
+                .max_decoding_message_size(64 << 20)
+                .max_encoding_message_size(64 << 20)
+                .prefill(request)
+                .await
+                .map_err(|s| ("prefill_unavailable", s.message().to_owned()))?
+                .into_inner();
+            while let Some(event) = events.message().await.map_err(|s| ("transfer_failed", s.message().to_owned()))? {
+                if let Some(PrefillEventKind::Outcome(outcome)) = event.event {
+                    return match outcome.status() {
+                        OutcomeStatus::Bridged | OutcomeStatus::Partial => Ok(outcome),
+                        _ => Err((reason_of(&outcome.reason), outcome.reason)),
+                    };
+                }
+            }
+            Err(("transfer_failed", "prefill stream ended without an outcome".to_owned()))
+        };
+        match tokio::time::timeout(deadline, run).await {
+            Ok(result) => result,
+            Err(_) => Err(("timeout", format!("no outcome within {deadline:?}"))),
+        }
+    }
+}
+
+/// A verdict reason for prefilld's outcome reason ("<reason>: <detail>").
+fn reason_of(outcome_reason: &str) -> &'static str {
+    match outcome_reason.split(':').next().unwrap_or_default() {
+        "spec_mismatch" => "spec_mismatch",
+        "timeout" => "timeout",
+        "decoder_unavailable" | "bundle_failed" => "decoder_unreachable",
+        "prefill_failed" => "prefill_failed",
+        _ => "transfer_failed",
+    }
+}
+
+/// The engine must have restored exactly the tokens the verdict claims.
+fn check_restored(verdict: &Verdict, summary: &GenerateSummary) -> Result<(), FrontError> {
+    if summary.cached_tokens != verdict.cached_tokens {
+        return Err(FrontError::Engine(format!(
+            "engine restored {} tokens, the verdict says {}",
+            summary.cached_tokens, verdict.cached_tokens
+        )));
+    }
+    Ok(())
+}
+
+fn set_verdict(response: &mut Response, verdict: &Verdict) {
+    let json = serde_json::to_string(verdict).expect("verdict serializes");
+    response.headers_mut().insert(VERDICT_HEADER, HeaderValue::from_str(&json).expect("ascii json"));
+}
+
+fn record_outcome(verdict: &Verdict) {
+    metrics::counter!(
+        "pdbridge_bridge_outcomes_total",
+        "outcome" => verdict.outcome,
+        "reason" => verdict.reason.unwrap_or("none")
+    )
+    .increment(1);
+}
+
+fn record_ttft(verdict: &Verdict, started: Instant) {
+    metrics::histogram!("pdbridge_ttft_seconds", "outcome" => verdict.outcome).record(started.elapsed().as_secs_f64());
+}
+
+fn usage(summary: &GenerateSummary) -> Value {
+    json!({
+        "prompt_tokens": summary.prompt_tokens,
+        "completion_tokens": summary.completion_tokens,
+        "total_tokens": summary.prompt_tokens + summary.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": summary.cached_tokens},
+    })
+}
+
+fn chunk_json(kind: Kind, id: &str, created: u64, model: &str, text: Option<&str>, finish: Option<&str>) -> Value {
+    match kind {
+        Kind::Chat => json!({
+            "id": id, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [{"index": 0, "delta": text.map_or(json!({}), |t| json!({"content": t})), "finish_reason": finish}],
+        }),
+        Kind::Text => json!({
+            "id": id, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text.unwrap_or(""), "finish_reason": finish}],
+        }),
+    }
+}
+
+fn ms(since: Instant) -> f64 {
+    since.elapsed().as_secs_f64() * 1e3
+}
+
+/// Counts front-door requests in progress (`pdbridge_front_requests_in_flight`).
+struct InFlight;
+
+impl InFlight {
+    fn enter() -> Self {
+        metrics::gauge!("pdbridge_front_requests_in_flight").increment(1.0);
+        InFlight
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        metrics::gauge!("pdbridge_front_requests_in_flight").decrement(1.0);
+    }
+}

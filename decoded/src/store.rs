@@ -1,0 +1,504 @@
+//! The prefix store: content-addressed cache blocks on disk.
+//!
+//! One safetensors file per block holds every layer's cache tensors for its
+//! tokens, in the decoder's dtype and layout (`"{layer}.{tensor}"`), plus
+//! metadata naming its key, its parent's key, the spec fingerprint and its
+//! token ids, so every file can prove its own name. A block becomes visible
+//! only after it is written to a temp name, fsynced and renamed; the index is
+//! rebuilt from disk at start and files that disagree with their names are
+//! moved to `quarantine/`, never served. Eviction is LRU within a byte budget;
+//! blocks leased to a running generation are never evicted.
+
+use std::{
+    borrow::Cow,
+    collections::{BTreeMap, HashMap},
+    fs,
+    io::Read,
+    path::{Path, PathBuf},
+    sync::Mutex,
+};
+
+use bytes::Bytes;
+use pdbridge_common::block::{self, BlockKey};
+use safetensors::{Dtype as StDtype, tensor::Metadata};
+
+/// Format tag in every block file's metadata.
+pub const BLOCK_FORMAT: &str = "pdbridge-block-v1";
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("{op} {path}: {source}")]
+    Io { op: &'static str, path: PathBuf, source: std::io::Error },
+    #[error("block of {bytes} bytes exceeds the store budget of {budget} bytes")]
+    TooLarge { bytes: u64, budget: u64 },
+    #[error("no space left for block {key}")]
+    NoSpace { key: BlockKey },
+    #[error("encode block {key}: {message}")]
+    Encode { key: BlockKey, message: String },
+}
+
+fn io_err<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> StoreError + 'a {
+    move |source| StoreError::Io { op, path: path.to_owned(), source }
+}
+
+/// Identity of a block: what its key is computed from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BlockIdentity {
+    pub key: BlockKey,
+    pub parent: BlockKey,
+    pub spec_fingerprint: String,
+    pub index: u32,
+    pub token_ids: Vec<u32>,
+}
+
+impl BlockIdentity {
+    /// True when `key` really is the chain hash of the rest.
+    pub fn is_consistent(&self) -> bool {
+        block::chain(&self.spec_fingerprint, &self.parent, &self.token_ids) == self.key
+    }
+
+    fn to_metadata(&self) -> HashMap<String, String> {
+        let ids: Vec<String> = self.token_ids.iter().map(u32::to_string).collect();
+        HashMap::from([
+            ("format".to_owned(), BLOCK_FORMAT.to_owned()),
+            ("pdb_key".to_owned(), self.key.to_hex()),
+            ("pdb_parent".to_owned(), self.parent.to_hex()),
+            ("pdb_spec".to_owned(), self.spec_fingerprint.clone()),
+            ("pdb_block".to_owned(), self.index.to_string()),
+            ("pdb_tokens".to_owned(), self.token_ids.len().to_string()),
+            ("pdb_token_ids".to_owned(), ids.join(",")),
+        ])
+    }
+
+    fn from_metadata(md: &HashMap<String, String>) -> Option<Self> {
+        if md.get("format")? != BLOCK_FORMAT {
+            return None;
+        }
+        let token_ids = md.get("pdb_token_ids")?.split(',').map(str::parse).collect::<Result<Vec<u32>, _>>().ok()?;
+        Some(BlockIdentity {
+            key: BlockKey::from_hex(md.get("pdb_key")?)?,
+            parent: BlockKey::from_hex(md.get("pdb_parent")?)?,
+            spec_fingerprint: md.get("pdb_spec")?.clone(),
+            index: md.get("pdb_block")?.parse().ok()?,
+            token_ids,
+        })
+    }
+}
+
+/// One tensor of a block, as verified shards in byte order.
+pub struct BlockTensor {
+    /// Name in the file, `"{layer}.{tensor}"`.
+    pub name: String,
+    pub dtype: StDtype,
+    pub shape: Vec<usize>,
+    pub parts: Vec<Bytes>,
+}
+
+impl safetensors::View for &BlockTensor {
+    fn dtype(&self) -> StDtype {
+        self.dtype
+    }
+
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+
+    fn data(&self) -> Cow<'_, [u8]> {
+        match self.parts.as_slice() {
+            [one] => Cow::Borrowed(one),
+            parts => Cow::Owned(parts.concat()),
+        }
+    }
+
+    fn data_len(&self) -> usize {
+        self.parts.iter().map(Bytes::len).sum()
+    }
+}
+
+struct Entry {
+    bytes: u64,
+    /// LRU position (larger = more recent).
+    tick: u64,
+    /// Generations currently reading this block.
+    leases: u32,
+}
+
+#[derive(Default)]
+struct Index {
+    entries: HashMap<BlockKey, Entry>,
+    by_tick: BTreeMap<u64, BlockKey>,
+    next_tick: u64,
+    total_bytes: u64,
+}
+
+impl Index {
+    fn touch(&mut self, key: &BlockKey) {
+        if let Some(entry) = self.entries.get_mut(key) {
+            self.by_tick.remove(&entry.tick);
+            self.next_tick += 1;
+            entry.tick = self.next_tick;
+            self.by_tick.insert(entry.tick, *key);
+        }
+    }
+
+    fn insert(&mut self, key: BlockKey, bytes: u64) {
+        if self.entries.contains_key(&key) {
+            self.touch(&key);
+            return;
+        }
+        self.next_tick += 1;
+        self.entries.insert(key, Entry { bytes, tick: self.next_tick, leases: 0 });
+        self.by_tick.insert(self.next_tick, key);
+        self.total_bytes += bytes;
+    }
+
+    /// The least recently used block nobody is reading.
+    fn coldest_unleased(&self) -> Option<BlockKey> {
+        self.by_tick.values().find(|k| self.entries[*k].leases == 0).copied()
+    }
+
+    fn remove(&mut self, key: &BlockKey) -> Option<u64> {
+        let entry = self.entries.remove(key)?;
+        self.by_tick.remove(&entry.tick);
+        self.total_bytes -= entry.bytes;
+        Some(entry.bytes)
+    }
+}
+
+/// What [`Store::open`] found on disk.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct OpenReport {
+    pub blocks: usize,
+    pub bytes: u64,
+    pub quarantined: usize,
+}
+
+pub struct Store {
+    root: PathBuf,
+    budget_bytes: u64,
+    index: Mutex<Index>,
+}
+
+impl Store {
+    /// Opens (creating if needed) the store under `root` and rebuilds the
+    /// index from the block files found there.
+    pub fn open(root: &Path, budget_bytes: u64) -> Result<(Store, OpenReport), StoreError> {
+        for dir in ["blocks", "tmp", "quarantine"] {
+            let path = root.join(dir);
+            fs::create_dir_all(&path).map_err(io_err("create", &path))?;
+        }
+        // Leftovers of writes cut short by a crash were never visible.
+        let tmp = root.join("tmp");
+        for entry in fs::read_dir(&tmp).map_err(io_err("list", &tmp))?.flatten() {
+            let _ = fs::remove_file(entry.path());
+        }
+        let store = Store { root: root.to_owned(), budget_bytes, index: Mutex::new(Index::default()) };
+        let mut report = OpenReport::default();
+        let mut found = Vec::new();
+        let blocks = root.join("blocks");
+        for shard_dir in fs::read_dir(&blocks).map_err(io_err("list", &blocks))?.flatten() {
+            for file in fs::read_dir(shard_dir.path()).map_err(io_err("list", &shard_dir.path()))?.flatten() {
+                let path = file.path();
+                match verify_file(&path) {
+                    Ok((key, bytes, modified)) => found.push((modified, key, bytes)),
+                    Err(problem) => {
+                        tracing::warn!(path = %path.display(), problem, "quarantining block file");
+                        store.quarantine(&path)?;
+                        report.quarantined += 1;
+                    }
+                }
+            }
+        }
+        // Oldest first, so recency survives a restart approximately.
+        found.sort();
+        let mut index = store.index.lock().unwrap();
+        for (_, key, bytes) in found {
+            index.insert(key, bytes);
+            report.blocks += 1;
+            report.bytes += bytes;
+        }
+        drop(index);
+        Ok((store, report))
+    }
+
+    fn path_of(&self, key: &BlockKey) -> PathBuf {
+        let hex = key.to_hex();
+        self.root.join("blocks").join(&hex[..2]).join(format!("{hex}.safetensors"))
+    }
+
+    fn quarantine(&self, path: &Path) -> Result<(), StoreError> {
+        let name = path.file_name().map(|n| n.to_owned()).unwrap_or_default();
+        let dest = self.root.join("quarantine").join(name);
+        fs::rename(path, &dest).map_err(io_err("quarantine", path))
+    }
+
+    pub fn budget_bytes(&self) -> u64 {
+        self.budget_bytes
+    }
+
+    /// (blocks, bytes) currently stored.
+    pub fn usage(&self) -> (usize, u64) {
+        let index = self.index.lock().unwrap();
+        (index.entries.len(), index.total_bytes)
+    }
+
+    pub fn contains(&self, key: &BlockKey) -> bool {
+        self.index.lock().unwrap().entries.contains_key(key)
+    }
+
+    /// How many of `keys` are stored from the first without a gap; marks them
+    /// recently used.
+    pub fn longest_prefix(&self, keys: &[BlockKey]) -> usize {
+        let mut index = self.index.lock().unwrap();
+        let n = keys.iter().take_while(|k| index.entries.contains_key(k)).count();
+        for key in &keys[..n] {
+            index.touch(key);
+        }
+        n
+    }
+
+    /// Leases the longest stored prefix of `keys` for reading: those blocks
+    /// cannot be evicted until the lease is dropped.
+    pub fn lease(&self, keys: &[BlockKey]) -> Lease<'_> {
+        let mut index = self.index.lock().unwrap();
+        let mut leased = Vec::new();
+        for key in keys {
+            let Some(entry) = index.entries.get_mut(key) else { break };
+            entry.leases += 1;
+            leased.push(*key);
+        }
+        for key in &leased {
+            index.touch(key);
+        }
+        let paths = leased.iter().map(|k| self.path_of(k)).collect();
+        Lease { store: self, keys: leased, paths }
+    }
+
+    /// Writes a verified block durably and makes it visible. Blocking I/O:
+    /// call from a blocking thread. Returns the file's size in bytes.
+    pub fn commit(&self, identity: &BlockIdentity, tensors: &[BlockTensor]) -> Result<u64, StoreError> {
+        let key = identity.key;
+        let data_bytes: u64 = tensors.iter().map(|t| t.parts.iter().map(|p| p.len() as u64).sum::<u64>()).sum();
+        if data_bytes > self.budget_bytes {
+            return Err(StoreError::TooLarge { bytes: data_bytes, budget: self.budget_bytes });
+        }
+        if self.contains(&key) {
+            return Ok(0);
+        }
+        let tmp = self.root.join("tmp").join(format!("{}.{}.partial", key.to_hex(), std::process::id()));
+        let written = safetensors::serialize_to_file(
+            tensors.iter().map(|t| (t.name.as_str(), t)),
+            Some(identity.to_metadata()),
+            &tmp,
+        );
+        if let Err(err) = written {
+            let _ = fs::remove_file(&tmp);
+            return Err(match err {
+                safetensors::SafeTensorError::IoError(e) if e.kind() == std::io::ErrorKind::StorageFull => {
+                    StoreError::NoSpace { key }
+                }
+                other => StoreError::Encode { key, message: other.to_string() },
+            });
+        }
+        let file = fs::File::open(&tmp).map_err(io_err("open", &tmp))?;
+        file.sync_all().map_err(|e| {
+            let _ = fs::remove_file(&tmp);
+            if e.kind() == std::io::ErrorKind::StorageFull {
+                StoreError::NoSpace { key }
+            } else {
+                io_err("fsync", &tmp)(e)
+            }
+        })?;
+        let bytes = file.metadata().map_err(io_err("stat", &tmp))?.len();
+        let dest = self.path_of(&key);
+        let dir = dest.parent().expect("block paths have a parent");
+        fs::create_dir_all(dir).map_err(io_err("create", dir))?;
+        fs::rename(&tmp, &dest).map_err(io_err("rename", &tmp))?;
+        // The rename is durable only once its directory is.
+        fs::File::open(dir).and_then(|d| d.sync_all()).map_err(io_err("fsync", dir))?;
+        let mut index = self.index.lock().unwrap();
+        index.insert(key, bytes);
+        let evicted = self.evict_over_budget(&mut index);
+        drop(index);
+        for key in evicted {
+            let path = self.path_of(&key);
+            if let Err(err) = fs::remove_file(&path) {
+                tracing::warn!(path = %path.display(), error = %err, "cannot remove evicted block");
+            }
+        }
+        Ok(bytes)
+    }
+
+    fn evict_over_budget(&self, index: &mut Index) -> Vec<BlockKey> {
+        let mut evicted = Vec::new();
+        while index.total_bytes > self.budget_bytes {
+            let Some(key) = index.coldest_unleased() else { break };
+            index.remove(&key);
+            evicted.push(key);
+        }
+        if !evicted.is_empty() {
+            metrics::counter!("pdbridge_store_evictions_total").increment(evicted.len() as u64);
+        }
+        evicted
+    }
+}
+
+/// Blocks held for a reader; see [`Store::lease`].
+pub struct Lease<'a> {
+    store: &'a Store,
+    keys: Vec<BlockKey>,
+    paths: Vec<PathBuf>,
+}
+
+impl Lease<'_> {
+    /// Files of the leased blocks, in prompt order.
+    pub fn paths(&self) -> &[PathBuf] {
+        &self.paths
+    }
+}
+
+impl Drop for Lease<'_> {
+    fn drop(&mut self) {
+        let mut index = self.store.index.lock().unwrap();
+        for key in &self.keys {
+            if let Some(entry) = index.entries.get_mut(key) {
+                entry.leases -= 1;
+            }
+        }
+    }
+}
+
+/// Checks a block file's header against its name and size without reading
+/// its tensors. Returns (key, size, mtime) or what is wrong.
+fn verify_file(path: &Path) -> Result<(BlockKey, u64, std::time::SystemTime), String> {
+    let stem = path.file_name().and_then(|n| n.to_str()).and_then(|n| n.strip_suffix(".safetensors"));
+    let named = stem.and_then(BlockKey::from_hex).ok_or("name is not <key>.safetensors")?;
+    let mut file = fs::File::open(path).map_err(|e| e.to_string())?;
+    let stat = file.metadata().map_err(|e| e.to_string())?;
+    let mut len = [0u8; 8];
+    file.read_exact(&mut len).map_err(|_| "shorter than a safetensors header")?;
+    let header_len = u64::from_le_bytes(len);
+    if header_len > 100 << 20 || 8 + header_len > stat.len() {
+        return Err("header length out of range".into());
+    }
+    let mut header = vec![0u8; header_len as usize];
+    file.read_exact(&mut header).map_err(|e| e.to_string())?;
+    let metadata: Metadata = serde_json::from_slice(&header).map_err(|e| format!("bad header: {e}"))?;
+    let data_end = metadata.tensors().values().map(|t| t.data_offsets.1).max().unwrap_or(0) as u64;
+    if 8 + header_len + data_end != stat.len() {
+        return Err(format!("size {} disagrees with header ({} bytes)", stat.len(), 8 + header_len + data_end));
+    }
+    let identity = metadata
+        .metadata()
+        .as_ref()
+        .and_then(BlockIdentity::from_metadata)
+        .ok_or("missing or malformed pdbridge metadata")?;
+    if identity.key != named {
+        return Err(format!("embedded key {} disagrees with the name", identity.key));
+    }
+    if !identity.is_consistent() {
+        return Err("key is not the chain hash of its spec, parent and tokens".into());
+    }
+    let modified = stat.modified().unwrap_or(std::time::UNIX_EPOCH);
+    Ok((named, stat.len(), modified))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    struct TempDir(PathBuf);
+    impl Drop for TempDir {
+        fn drop(&mut self) {
+            let _ = fs::remove_dir_all(&self.0);
+        }
+    }
+    fn temp_dir(tag: &str) -> TempDir {
+        let dir = std::env::temp_dir().join(format!("pdb-store-{tag}-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        TempDir(dir)
+    }
+
+    fn block(spec: &str, parent: BlockKey, index: u32, fill: u8) -> (BlockIdentity, Vec<BlockTensor>) {
+        let token_ids: Vec<u32> = (0..4).map(|t| t + 4 * index + fill as u32).collect();
+        let key = block::chain(spec, &parent, &token_ids);
+        let tensors = (0..2)
+            .flat_map(|layer| ["keys", "values"].map(move |name| (layer, name)))
+            .map(|(layer, name)| BlockTensor {
+                name: format!("{layer}.{name}"),
+                dtype: StDtype::F32,
+                shape: vec![1, 1, 4, 2],
+                parts: vec![Bytes::from(vec![fill; 16]), Bytes::from(vec![fill.wrapping_add(1); 16])],
+            })
+            .collect();
+        (BlockIdentity { key, parent, spec_fingerprint: spec.into(), index, token_ids }, tensors)
+    }
+
+    #[test]
+    fn committed_blocks_survive_a_reopen_and_bad_files_are_quarantined() {
+        let dir = temp_dir("reopen");
+        let (store, report) = Store::open(&dir.0, 1 << 20).unwrap();
+        assert_eq!(report, OpenReport::default());
+        let (b0, t0) = block("spec", BlockKey::ROOT, 0, 1);
+        let (b1, t1) = block("spec", b0.key, 1, 2);
+        store.commit(&b0, &t0).unwrap();
+        store.commit(&b1, &t1).unwrap();
+        assert_eq!(store.longest_prefix(&[b0.key, b1.key]), 2);
+        let good = store.path_of(&b1.key);
+
+        // A file renamed to another key, and a truncated one.
+        let (b2, _) = block("spec", b1.key, 2, 3);
+        fs::create_dir_all(store.path_of(&b2.key).parent().unwrap()).unwrap();
+        fs::copy(&good, store.path_of(&b2.key)).unwrap();
+        let (b3, _) = block("spec", b1.key, 2, 4);
+        let bytes = fs::read(&good).unwrap();
+        fs::create_dir_all(store.path_of(&b3.key).parent().unwrap()).unwrap();
+        fs::write(store.path_of(&b3.key), &bytes[..bytes.len() - 5]).unwrap();
+        drop(store);
+
+        let (store, report) = Store::open(&dir.0, 1 << 20).unwrap();
+        assert_eq!((report.blocks, report.quarantined), (2, 2));
+        assert_eq!(store.longest_prefix(&[b0.key, b1.key, b2.key]), 2);
+        assert_eq!(fs::read_dir(dir.0.join("quarantine")).unwrap().count(), 2);
+
+        // The file is a valid safetensors that mlx / the adapter can read.
+        let data = fs::read(&good).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&data).unwrap();
+        let keys = st.tensor("1.keys").unwrap();
+        assert_eq!(keys.shape(), &[1, 1, 4, 2]);
+        assert_eq!(&keys.data()[..16], &[2u8; 16]);
+        assert_eq!(&keys.data()[16..], &[3u8; 16]);
+    }
+
+    #[test]
+    fn eviction_is_lru_and_spares_leased_blocks() {
+        let dir = temp_dir("evict");
+        let (b0, t0) = block("s", BlockKey::ROOT, 0, 1);
+        let probe_size = {
+            let (store, _) = Store::open(&dir.0.join("probe"), 1 << 20).unwrap();
+            store.commit(&b0, &t0).unwrap()
+        };
+        let (store, _) = Store::open(&dir.0.join("main"), 2 * probe_size + probe_size / 2).unwrap();
+        let (b1, t1) = block("s", b0.key, 1, 2);
+        let (b2, t2) = block("s", b1.key, 2, 3);
+        store.commit(&b0, &t0).unwrap();
+        store.commit(&b1, &t1).unwrap();
+        let lease = store.lease(&[b0.key]);
+        store.commit(&b2, &t2).unwrap();
+        assert!(store.contains(&b0.key), "leased block survives");
+        assert!(!store.contains(&b1.key), "coldest unleased block is evicted");
+        assert!(!store.path_of(&b1.key).exists());
+        assert_eq!(lease.paths(), &[store.path_of(&b0.key)]);
+        drop(lease);
+        assert_eq!(store.usage().0, 2);
+    }
+
+    #[test]
+    fn a_block_larger_than_the_budget_is_refused() {
+        let dir = temp_dir("budget");
+        let (store, _) = Store::open(&dir.0, 10).unwrap();
+        let (b0, t0) = block("s", BlockKey::ROOT, 0, 1);
+        assert!(matches!(store.commit(&b0, &t0), Err(StoreError::TooLarge { .. })));
+        assert_eq!(store.usage(), (0, 0));
+    }
+}

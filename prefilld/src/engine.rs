@@ -1,0 +1,238 @@
+//! The prefill engine: vLLM's OpenAI server as a supervised child process with
+//! pd-bridge's capture plugin enabled, and the one call prefilld makes to it.
+
+use std::{
+    path::{Path, PathBuf},
+    process::Stdio,
+    time::Duration,
+};
+
+use pdbridge_common::process;
+use serde::Deserialize;
+use tokio::{process::Command, sync::watch};
+use tokio_util::sync::CancellationToken;
+
+use crate::config::EngineConfig;
+
+/// Engine label in metrics.
+const ENGINE: &str = "vllm";
+/// The model name prefilld serves vLLM under.
+const SERVED_MODEL: &str = "pdbridge-prefill";
+/// How long vLLM gets to drain after SIGTERM.
+const STOP_GRACE: Duration = Duration::from_secs(30);
+
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error("prefill engine is not ready")]
+    NotReady,
+    #[error("prefill engine: {0}")]
+    Failed(String),
+    #[error("model folder {path}: {problem}")]
+    Model { path: PathBuf, problem: String },
+}
+
+/// What prefilld knows of the model vLLM serves, from its HF folder; checked
+/// against every decoder's spec.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelProfile {
+    pub architecture: String,
+    pub num_layers: u32,
+    pub num_attention_heads: u32,
+    pub num_kv_heads: u32,
+    pub head_dim: u32,
+    pub hidden_size: u32,
+    pub vocab_size: u32,
+    pub rope_theta: f64,
+    pub tokenizer_fingerprint: String,
+}
+
+impl ModelProfile {
+    pub fn read(folder: &Path) -> Result<Self, EngineError> {
+        #[derive(Deserialize)]
+        struct HfConfig {
+            architectures: Vec<String>,
+            num_hidden_layers: u32,
+            num_attention_heads: u32,
+            num_key_value_heads: Option<u32>,
+            head_dim: Option<u32>,
+            hidden_size: u32,
+            vocab_size: u32,
+            #[serde(default = "default_theta")]
+            rope_theta: f64,
+        }
+        fn default_theta() -> f64 {
+            10_000.0
+        }
+        let err = |problem: String| EngineError::Model { path: folder.to_owned(), problem };
+        let read = |name: &str| std::fs::read(folder.join(name)).map_err(|e| err(format!("{name}: {e}")));
+        let config: HfConfig =
+            serde_json::from_slice(&read("config.json")?).map_err(|e| err(format!("config.json: {e}")))?;
+        let tokenizer = [read("tokenizer.json")?, read("tokenizer_config.json")?].concat();
+        use sha2::Digest;
+        Ok(ModelProfile {
+            architecture: config.architectures.first().cloned().unwrap_or_default(),
+            num_layers: config.num_hidden_layers,
+            num_attention_heads: config.num_attention_heads,
+            num_kv_heads: config.num_key_value_heads.unwrap_or(config.num_attention_heads),
+            head_dim: config.head_dim.unwrap_or(config.hidden_size / config.num_attention_heads),
+            hidden_size: config.hidden_size,
+            vocab_size: config.vocab_size,
+            rope_theta: config.rope_theta,
+            tokenizer_fingerprint: pdbridge_common::spec::hex(&sha2::Sha256::digest(tokenizer)),
+        })
+    }
+}
+
+/// Handle to the running vLLM server (its base URL while ready).
+#[derive(Clone)]
+pub struct Vllm {
+    base_url: watch::Receiver<Option<String>>,
+    http: reqwest::Client,
+    pub profile: ModelProfile,
+}
+
+/// vLLM's answer to a prefill request.
+#[derive(Debug, Deserialize)]
+pub struct CompletionReply {
+    #[serde(default)]
+    pub usage: Option<serde_json::Value>,
+}
+
+impl Vllm {
+    pub fn is_ready(&self) -> bool {
+        self.base_url.borrow().is_some()
+    }
+
+    /// A watch that is true while vLLM is ready.
+    pub fn ready_changes(&self) -> watch::Receiver<Option<String>> {
+        self.base_url.clone()
+    }
+
+    /// Prefills `tokens` (one output token) with the plugin's per-request
+    /// parameters; returns when vLLM has finished the request.
+    pub async fn prefill(&self, tokens: &[u32], pdbridge: serde_json::Value) -> Result<CompletionReply, EngineError> {
+        let base = self.base_url.borrow().clone().ok_or(EngineError::NotReady)?;
+        let body = serde_json::json!({
+            "model": SERVED_MODEL,
+            "prompt": tokens,
+            "max_tokens": 1,
+            "temperature": 0.0,
+            "kv_transfer_params": {"pdbridge": pdbridge},
+        });
+        let response = self
+            .http
+            .post(format!("{base}/v1/completions"))
+            .json(&body)
+            .send()
+            .await
+            .map_err(|e| EngineError::Failed(format!("request: {e}")))?;
+        let status = response.status();
+        if !status.is_success() {
+            let text = response.text().await.unwrap_or_default();
+            return Err(EngineError::Failed(format!("HTTP {status}: {text}")));
+        }
+        response.json().await.map_err(|e| EngineError::Failed(format!("reply: {e}")))
+    }
+}
+
+/// Starts vLLM and keeps it running until `stop`, restarting it with the same
+/// parameters whenever it exits.
+pub fn supervise(config: EngineConfig, stop: CancellationToken) -> Result<Vllm, EngineError> {
+    let profile = ModelProfile::read(&config.model)?;
+    let (url_tx, url_rx) = watch::channel(None);
+    let vllm = Vllm { base_url: url_rx, http: reqwest::Client::new(), profile: profile.clone() };
+    tokio::spawn(async move {
+        let on_down = || {
+            url_tx.send_replace(None);
+        };
+        let run = || run_once(&config, profile.num_layers, &url_tx, &stop);
+        process::supervise(ENGINE, config.restart_backoff, stop.clone(), run, on_down).await;
+    });
+    Ok(vllm)
+}
+
+async fn run_once(
+    config: &EngineConfig,
+    num_layers: u32,
+    url_tx: &watch::Sender<Option<String>>,
+    stop: &CancellationToken,
+) -> Result<(), EngineError> {
+    let port = match config.port {
+        0 => free_port()?,
+        port => port,
+    };
+    let mut child = command(config, num_layers, port)
+        .spawn()
+        .map_err(|e| EngineError::Failed(format!("spawn {}: {e}", config.python.display())))?;
+    let base = format!("http://127.0.0.1:{port}");
+    let http = reqwest::Client::new();
+    let started = tokio::time::Instant::now();
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => {
+                let _ = process::terminate(&mut child, STOP_GRACE).await;
+                return Ok(());
+            }
+            status = child.wait() => {
+                return Err(EngineError::Failed(format!("vLLM exited during start-up: {}", status.map_err(|e| EngineError::Failed(e.to_string()))?)));
+            }
+            _ = tokio::time::sleep(Duration::from_millis(500)) => {}
+        }
+        if http.get(format!("{base}/health")).send().await.is_ok_and(|r| r.status().is_success()) {
+            break;
+        }
+        if started.elapsed() > config.start_timeout {
+            let _ = process::terminate(&mut child, STOP_GRACE).await;
+            return Err(EngineError::Failed(format!("not ready after {:?}", config.start_timeout)));
+        }
+    }
+    tracing::info!(url = %base, startup = ?started.elapsed(), "prefill engine ready");
+    url_tx.send_replace(Some(base));
+    process::mark_up(ENGINE);
+    tokio::select! {
+        _ = stop.cancelled() => {
+            let _ = process::terminate(&mut child, STOP_GRACE).await;
+            Ok(())
+        }
+        status = child.wait() => Err(EngineError::Failed(format!("vLLM exited: {}", status.map_err(|e| EngineError::Failed(e.to_string()))?))),
+    }
+}
+
+/// The full vLLM command line: the same at every (re)start.
+fn command(config: &EngineConfig, num_layers: u32, port: u16) -> Command {
+    let kv_transfer = serde_json::json!({
+        "kv_connector": "PdBridgeConnector",
+        "kv_connector_module_path": "pdbridge_vllm.connector",
+        "kv_role": "kv_producer",
+    });
+    // Capture the residual stream entering every layer (ids 0..L-1): the input
+    // the decoder's cache is computed from.
+    let speculative = serde_json::json!({
+        "method": "extract_hidden_states",
+        "num_speculative_tokens": 1,
+        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": (0..num_layers).collect::<Vec<_>>()}},
+    });
+    let mut cmd = Command::new(&config.python);
+    cmd.args(["-m", "vllm.entrypoints.openai.api_server", "--model"])
+        .arg(&config.model)
+        .args(["--served-model-name", SERVED_MODEL, "--dtype", &config.dtype])
+        .args(["--max-model-len", &config.max_model_len.to_string()])
+        .args(["--enforce-eager", "--no-enable-prefix-caching", "--host", "127.0.0.1"])
+        .args(["--port", &port.to_string()])
+        .args(["--kv-transfer-config", &kv_transfer.to_string()])
+        .args(["--speculative-config", &speculative.to_string()])
+        .args(&config.extra_args)
+        .env("PYTHONPATH", &config.plugin_dir)
+        .env("HF_HUB_OFFLINE", "1")
+        .stdin(Stdio::null())
+        .stdout(Stdio::inherit())
+        .stderr(Stdio::inherit())
+        .kill_on_drop(true);
+    tracing::info!(python = %config.python.display(), model = %config.model.display(), port, "starting prefill engine");
+    cmd
+}
+
+fn free_port() -> Result<u16, EngineError> {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").map_err(|e| EngineError::Failed(e.to_string()))?;
+    Ok(listener.local_addr().map_err(|e| EngineError::Failed(e.to_string()))?.port())
+}

@@ -1,0 +1,283 @@
+//! One bridged prefill, end to end: ask the decoder what it already has, run
+//! the prompt through vLLM with the capture plugin, turn each finished block
+//! into shards as it arrives and stream them into the decoder's `Push`, and
+//! report progress and exactly one outcome.
+
+use std::{collections::BTreeMap, sync::Arc, time::Duration};
+
+use bytes::Bytes;
+use pdbridge_common::{
+    proto::{
+        Dtype, LookupRequest, Outcome, PrefillEvent, Progress, PushFrame, PushOpen, PushSeal,
+        outcome::Status as OutcomeStatus, prefill_event::Event, push_frame::Frame,
+    },
+    shard::{self, TensorId},
+};
+use tokio::{sync::mpsc, time::Instant};
+use tokio_stream::wrappers::ReceiverStream;
+
+use crate::{
+    capture::{PluginEvent, Router, TensorSlice},
+    config::StreamConfig,
+    engine::Vllm,
+    handshake::{Decoder, Decoders},
+};
+
+/// Longest wait for the plugin's end-of-prefill event once vLLM has answered.
+const END_EVENT_GRACE: Duration = Duration::from_secs(30);
+
+/// Everything a prefill needs, shared by all requests.
+pub struct Bridge {
+    pub vllm: Vllm,
+    pub decoders: Decoders,
+    pub router: Arc<Router>,
+    pub stream: StreamConfig,
+}
+
+/// A validated Prefill request.
+pub struct Job {
+    pub request_id: String,
+    pub token_ids: Vec<u32>,
+    pub decoder_addr: String,
+    pub first_block: Option<u32>,
+}
+
+/// A failure that ends a prefill with an outcome rather than a gRPC error.
+struct Failure {
+    reason: &'static str,
+    message: String,
+}
+
+fn fail(reason: &'static str, message: impl Into<String>) -> Failure {
+    Failure { reason, message: message.into() }
+}
+
+impl Bridge {
+    /// Runs `job`, sending progress and then one outcome to `events`.
+    pub async fn run(self: Arc<Self>, job: Job, events: mpsc::Sender<PrefillEvent>) {
+        let started = Instant::now();
+        let outcome = match self.bridge(&job, &events).await {
+            Ok(outcome) => outcome,
+            Err(failure) => {
+                tracing::warn!(
+                    request_id = job.request_id,
+                    reason = failure.reason,
+                    message = failure.message,
+                    "prefill failed"
+                );
+                Outcome {
+                    status: OutcomeStatus::Failed as i32,
+                    reason: format!("{}: {}", failure.reason, failure.message),
+                    ..Default::default()
+                }
+            }
+        };
+        let status = outcome.status();
+        let label = match status {
+            OutcomeStatus::Bridged => "bridged",
+            OutcomeStatus::Partial => "partial",
+            _ => "failed",
+        };
+        let reason = outcome.reason.split(':').next().unwrap_or_default().to_owned();
+        metrics::counter!("pdbridge_prefill_requests_total", "outcome" => label, "reason" => reason).increment(1);
+        metrics::histogram!("pdbridge_prefill_duration_seconds").record(started.elapsed().as_secs_f64());
+        tracing::info!(request_id = job.request_id, outcome = label, blocks = outcome.blocks_committed, bytes = outcome.bytes, elapsed = ?started.elapsed(), "prefill done");
+        let _ = events.send(PrefillEvent { event: Some(Event::Outcome(outcome)) }).await;
+    }
+
+    async fn bridge(&self, job: &Job, events: &mpsc::Sender<PrefillEvent>) -> Result<Outcome, Failure> {
+        let decoder = self.decoders.get(&job.decoder_addr).await.map_err(|e| fail(e.reason(), e.to_string()))?;
+        let b = decoder.spec.block_tokens;
+        let whole_blocks = job.token_ids.len() as u32 / b;
+        let first_block = match job.first_block {
+            Some(first) => first,
+            None => self.cached_blocks(&decoder, job).await?,
+        };
+        if first_block >= whole_blocks {
+            return Ok(Outcome {
+                status: OutcomeStatus::Bridged as i32,
+                tokens_covered: whole_blocks * b,
+                reason: "already cached".into(),
+                ..Default::default()
+            });
+        }
+        let num_blocks = whole_blocks - first_block;
+        let prompt = &job.token_ids[..(whole_blocks * b) as usize];
+        let mut registration = self.router.register(&job.request_id, self.stream.queue_frames);
+
+        // The Push stream to the decoder, fed as blocks arrive.
+        let (frames_tx, frames_rx) = mpsc::channel::<PushFrame>(self.stream.queue_frames);
+        let mut client = decoder.client.clone();
+        let push = tokio::spawn(async move { client.push(ReceiverStream::new(frames_rx)).await });
+        let open = PushOpen {
+            request_id: job.request_id.clone(),
+            spec_fingerprint: decoder.spec.spec_fingerprint.clone(),
+            token_ids: job.token_ids.clone(),
+            first_block,
+        };
+        send(&frames_tx, Frame::Open(open)).await?;
+
+        let params = serde_json::json!({
+            "request_id": job.request_id,
+            "socket": self.router_socket(),
+            "bundle_path": decoder.bundle_path,
+            "bundle_sha256": decoder.spec.weights_fingerprint,
+            "spec_fingerprint": decoder.spec.spec_fingerprint,
+            "block_tokens": b,
+            "first_block": first_block,
+            "num_blocks": num_blocks,
+        });
+        let vllm = self.vllm.clone();
+        let prompt_owned = prompt.to_vec();
+        let prefill_started = Instant::now();
+        let mut prefill = tokio::spawn(async move { vllm.prefill(&prompt_owned, params).await });
+        let deadline = Instant::now()
+            + Duration::from_secs(60)
+            + self.stream.deadline_per_1k_tokens * (prompt.len() as u32).div_ceil(1000);
+
+        let mut stage_ms = BTreeMap::new();
+        let mut sent_blocks = 0u32;
+        let mut bytes_sent = 0u64;
+        let mut prefill_done_at: Option<Instant> = None;
+        let mut first_block_at: Option<Instant> = None;
+        let end = loop {
+            let grace = prefill_done_at.map(|t| t + END_EVENT_GRACE).unwrap_or(deadline).min(deadline);
+            tokio::select! {
+                event = registration.events.recv() => match event {
+                    Some(PluginEvent::Block { index, tensors, payload }) => {
+                        if index < first_block || index >= whole_blocks {
+                            break Err(fail("plugin_error", format!("plugin sent block {index} outside {first_block}..{whole_blocks}")));
+                        }
+                        first_block_at.get_or_insert_with(Instant::now);
+                        match self.send_block(&frames_tx, index, &tensors, payload).await {
+                            Ok(bytes) => bytes_sent += bytes,
+                            Err(failure) => break Err(failure),
+                        }
+                        sent_blocks += 1;
+                        let elapsed = prefill_started.elapsed().as_secs_f64();
+                        let eta = elapsed / sent_blocks as f64 * (num_blocks - sent_blocks) as f64;
+                        let progress = Progress { blocks_done: sent_blocks, blocks_total: num_blocks, bytes_sent, eta_seconds: eta };
+                        let _ = events.send(PrefillEvent { event: Some(Event::Progress(progress)) }).await;
+                    }
+                    Some(PluginEvent::Done { num_tokens, blocks_emitted, timings_ms }) => {
+                        stage_ms.extend(timings_ms);
+                        if num_tokens as usize != prompt.len() {
+                            break Err(fail("length_mismatch", format!("captured {num_tokens} tokens of {}", prompt.len())));
+                        }
+                        break Ok(blocks_emitted);
+                    }
+                    Some(PluginEvent::Error { reason, message }) => break Err(fail("plugin_error", format!("{reason}: {message}"))),
+                    None => break Err(fail("plugin_error", "plugin channel closed")),
+                },
+                result = &mut prefill, if prefill_done_at.is_none() => {
+                    prefill_done_at = Some(Instant::now());
+                    stage_ms.insert("prefill".into(), prefill_started.elapsed().as_secs_f64() * 1e3);
+                    match result {
+                        Ok(Ok(_)) => {}
+                        Ok(Err(e)) => break Err(fail("prefill_failed", e.to_string())),
+                        Err(e) => break Err(fail("prefill_failed", e.to_string())),
+                    }
+                }
+                _ = tokio::time::sleep_until(grace) => {
+                    let what = if prefill_done_at.is_some() { "no end-of-prefill event from the plugin" } else { "prefill deadline passed" };
+                    break Err(fail("timeout", what));
+                }
+            }
+        };
+        if prefill_done_at.is_none() {
+            prefill.abort();
+        }
+        // Seal with what was actually sent, whatever happened; the decoder
+        // keeps every complete block and reports the first gap.
+        let _ = frames_tx.send(PushFrame { frame: Some(Frame::Seal(PushSeal { blocks_emitted: sent_blocks })) }).await;
+        drop(frames_tx);
+        let receipt = push
+            .await
+            .map_err(|e| fail("transfer_failed", e.to_string()))?
+            .map_err(|s| {
+                if s.code() == tonic::Code::FailedPrecondition {
+                    self.decoders.forget(&decoder.addr);
+                }
+                fail(
+                    if s.code() == tonic::Code::FailedPrecondition { "spec_mismatch" } else { "transfer_failed" },
+                    s.message().to_owned(),
+                )
+            })?
+            .into_inner();
+        if let Some(t) = first_block_at {
+            stage_ms.insert("wire".into(), t.elapsed().as_secs_f64() * 1e3);
+        }
+        stage_ms.insert("total".into(), prefill_started.elapsed().as_secs_f64() * 1e3);
+        metrics::counter!("pdbridge_stream_bytes_total").increment(bytes_sent);
+        metrics::counter!("pdbridge_stream_blocks_total").increment(sent_blocks as u64);
+
+        let committed = receipt.blocks_committed;
+        let (status, reason) = match end {
+            Ok(emitted) if committed == num_blocks && emitted == num_blocks => (OutcomeStatus::Bridged, receipt.reason),
+            Ok(emitted) => {
+                (OutcomeStatus::Partial, format!("emitted {emitted} of {num_blocks} blocks; {}", receipt.reason))
+            }
+            Err(failure) if committed > 0 => {
+                (OutcomeStatus::Partial, format!("{}: {}", failure.reason, failure.message))
+            }
+            Err(failure) => return Err(failure),
+        };
+        Ok(Outcome {
+            status: status as i32,
+            blocks_committed: committed,
+            tokens_covered: receipt.first_missing_block * b,
+            bytes: receipt.bytes,
+            reason,
+            stage_ms: stage_ms.into_iter().collect(),
+        })
+    }
+
+    fn router_socket(&self) -> String {
+        self.router.socket_path().display().to_string()
+    }
+
+    async fn cached_blocks(&self, decoder: &Decoder, job: &Job) -> Result<u32, Failure> {
+        let request =
+            LookupRequest { token_ids: job.token_ids.clone(), spec_fingerprint: decoder.spec.spec_fingerprint.clone() };
+        let reply = decoder.client.clone().lookup(request).await.map_err(|s| {
+            if s.code() == tonic::Code::FailedPrecondition {
+                self.decoders.forget(&decoder.addr);
+                fail("spec_mismatch", s.message().to_owned())
+            } else {
+                fail("decoder_unavailable", s.message().to_owned())
+            }
+        })?;
+        Ok(reply.into_inner().cached_blocks)
+    }
+
+    /// Cuts one block's tensors into shards (slices of `payload`, no copies)
+    /// and queues them on the Push stream. Returns the payload bytes sent.
+    async fn send_block(
+        &self,
+        frames: &mpsc::Sender<PushFrame>,
+        index: u32,
+        tensors: &[TensorSlice],
+        payload: Bytes,
+    ) -> Result<u64, Failure> {
+        let mut bytes = 0;
+        for t in tensors {
+            let dtype = Dtype::from_safetensors_name(&t.dtype)
+                .ok_or_else(|| fail("plugin_error", format!("dtype {}", t.dtype)))?;
+            let id =
+                TensorId { block_index: index, layer: t.layer, tensor: t.name.clone(), dtype, shape: t.shape.clone() };
+            let data = payload.slice(t.offset..t.offset + t.nbytes);
+            for shard in shard::split(&id, data, self.stream.max_shard_bytes) {
+                bytes += shard.payload.len() as u64;
+                send(frames, Frame::Shard(shard)).await?;
+            }
+        }
+        Ok(bytes)
+    }
+}
+
+async fn send(frames: &mpsc::Sender<PushFrame>, frame: Frame) -> Result<(), Failure> {
+    frames
+        .send(PushFrame { frame: Some(frame) })
+        .await
+        .map_err(|_| fail("transfer_failed", "the decoder closed the Push stream"))
+}
