@@ -1,6 +1,6 @@
 //! prefilld's configuration (see `deploy/examples/prefilld.toml`).
 
-use std::{path::PathBuf, time::Duration};
+use std::{collections::BTreeMap, path::PathBuf, time::Duration};
 
 use pdbridge_common::config::{ConfigError, LogConfig, ServerConfig, Validate};
 use serde::Deserialize;
@@ -61,6 +61,9 @@ pub struct EngineConfig {
     /// Extra arguments appended to vLLM's command line.
     #[serde(default)]
     pub extra_args: Vec<String>,
+    /// Extra environment for vLLM (e.g. `VLLM_CPU_KVCACHE_SPACE`).
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
     #[serde(with = "humantime_serde", default = "default_start_timeout")]
     pub start_timeout: Duration,
     #[serde(with = "humantime_serde", default = "default_restart_backoff")]

@@ -224,6 +224,7 @@ fn command(config: &EngineConfig, num_layers: u32, port: u16) -> Command {
         .args(&config.extra_args)
         .env("PYTHONPATH", &config.plugin_dir)
         .env("HF_HUB_OFFLINE", "1")
+        .envs(&config.env)
         .stdin(Stdio::null())
         .stdout(Stdio::inherit())
         .stderr(Stdio::inherit())

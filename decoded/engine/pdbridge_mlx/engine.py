@@ -1,0 +1,516 @@
+"""The decoder itself: mlx-lm model work behind the adapter's protocol.
+
+Everything here except `info` and `tokenize` touches MLX and must run on the
+adapter's single model thread (MLX is not thread-safe); the server enforces it.
+Only mlx-lm's public API is used: `load`, `stream_generate`/`generate_step`
+with `prompt_cache=`, `make_prompt_cache`, `KVCache.state`/`trim`, the
+tokenizer wrapper, and `mlx.core` ops.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+from mlx_lm import load, stream_generate
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.sample_utils import make_sampler
+
+from .errors import BadRequest, Cancelled, StartupError
+from .safetensors_io import dtype_name, serialize, write_atomic
+
+log = logging.getLogger("pdbridge_mlx")
+
+BLOCK_FORMAT = "pdbridge-block-v1"
+BUNDLE_FORMAT = "pdbridge-bundle-v1"
+# generate_step's and mlx_lm.server's default; export must chunk exactly as a
+# native generation would so its blocks are the decoder's own cache.
+PREFILL_STEP_SIZE = 2048
+# Parent key of block 0 in decoded's store (`BlockKey::ROOT`).
+ROOT_KEY = "00" * 32
+# Files whose bytes define how text becomes token ids (tokenizer + chat template).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+# Newer transformers keep the chat template beside the config; hash it when present.
+EXTRA_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
+# What of each layer the cache depends on: input norm, k/v projections, k-norm if any.
+_BUNDLE_PARAM = re.compile(
+    r"(?:^|\.)layers\.(\d+)\.(input_layernorm\.weight|self_attn\.(?:k_proj|v_proj|k_norm)\.\w+)$"
+)
+
+
+Emit = Callable[[dict], None]
+
+
+def _ms(start: float, end: float | None = None) -> float:
+    return round(((end if end is not None else time.perf_counter()) - start) * 1000.0, 3)
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+class Engine:
+    """The loaded decoder: its model, tokenizer, cache spec and bundle."""
+
+    def __init__(
+        self,
+        model_dir: str,
+        *,
+        block_tokens: int,
+        dtype: mx.Dtype,
+        bundle_dir: str,
+        model_id: str | None = None,
+    ):
+        t0 = time.perf_counter()
+        self.model_dir = Path(model_dir).resolve()
+        self.block_tokens = block_tokens
+        self.cancelled = threading.Event()
+        self.model, self.tokenizer, self.config = load(str(self.model_dir), return_config=True)
+        # Only floating parameters change (scales, biases, norms); packed 4-bit
+        # weights stay as they are. On x86 CPU, fp16 is emulated: use float32.
+        self.model.set_dtype(dtype)
+        mx.eval(self.model.parameters())
+        self.layers = self.model.layers
+        self.num_layers = len(self.layers)
+        load_ms = _ms(t0)
+
+        self.layer_shapes, self.cache_dtype = self._probe_cache()
+        self.spec = self._make_spec(model_id or self.model_dir.name)
+        bundle_bytes, bundle_meta = self._make_bundle()
+        self.bundle_sha256 = hashlib.sha256(bundle_bytes).hexdigest()
+        os.makedirs(bundle_dir, exist_ok=True)
+        self.bundle_path = Path(bundle_dir).resolve() / f"bundle-{self.bundle_sha256[:16]}.safetensors"
+        if not (self.bundle_path.is_file() and _sha256_file(self.bundle_path) == self.bundle_sha256):
+            write_atomic(str(self.bundle_path), bundle_bytes)
+        self.tokenizer_sha256 = self._tokenizer_sha256()
+        self._info = {
+            "model_id": self.spec["model_id"],
+            "spec": self.spec,
+            "bundle_path": str(self.bundle_path),
+            "bundle_sha256": self.bundle_sha256,
+            "tokenizer_sha256": self.tokenizer_sha256,
+        }
+        log.info(
+            "loaded %s in %.0f ms (startup %.0f ms): %d layers, cache %s %s, bundle %s (%d bytes, %d tensors)",
+            self.model_dir, load_ms, _ms(t0), self.num_layers, dtype_name(self.cache_dtype),
+            self.layer_shapes[0], self.bundle_path.name, len(bundle_bytes), int(bundle_meta["tensors"]),
+        )
+
+    # ------------------------------------------------------------------ startup
+
+    def _probe_cache(self) -> tuple[list[tuple[int, int]], mx.Dtype]:
+        """Runs one token into a fresh cache and reads what the model really
+        stores: per layer (n_kv_heads, head_dim) and the cache dtype."""
+        cache = make_prompt_cache(self.model)
+        for i, c in enumerate(cache):
+            if type(c) is not KVCache:
+                raise StartupError(
+                    f"layer {i} uses {type(c).__name__}; pd-bridge supports only KVCache layers for now"
+                )
+        self.model(mx.array([[0]]), cache=cache)
+        mx.eval([c.state for c in cache])
+        shapes, dtypes = [], set()
+        for c in cache:
+            keys, values, offset = c.state
+            if offset != 1 or keys.ndim != 4 or keys.shape[0] != 1:
+                raise StartupError("unexpected cache layout after a one-token forward")
+            if keys.shape[1] != values.shape[1] or keys.shape[3] != values.shape[3]:
+                raise StartupError("keys and values differ in shape; not a plain KV cache")
+            shapes.append((keys.shape[1], keys.shape[3]))
+            dtypes.update((keys.dtype, values.dtype))
+        if len(dtypes) != 1:
+            raise StartupError(f"cache tensors have mixed dtypes {sorted(map(str, dtypes))}")
+        dtype = dtypes.pop()
+        try:
+            dtype_name(dtype)
+        except ValueError as e:
+            raise StartupError(str(e)) from None
+        return shapes, dtype
+
+    def _rope_spec(self, attn: Any, head_dim: int) -> dict:
+        scaling = self.config.get("rope_scaling") or {}
+        rope = attn.rope
+        base = getattr(rope, "base", None) or self.config.get("rope_theta", 10000.0)
+        return {
+            "kind": scaling.get("type") or scaling.get("rope_type") or "default",
+            "base": float(base),
+            "traditional": bool(getattr(rope, "traditional", self.config.get("rope_traditional", False))),
+            "dims": int(getattr(rope, "dims", head_dim)),
+            "scaling": {
+                k: float(v)
+                for k, v in sorted(scaling.items())
+                if isinstance(v, (int, float)) and not isinstance(v, bool)
+            },
+        }
+
+    def _make_spec(self, model_id: str) -> dict:
+        cfg = self.config
+        dtype = dtype_name(self.cache_dtype)
+        layers = []
+        for i, (layer, (kv_heads, head_dim)) in enumerate(zip(self.layers, self.layer_shapes)):
+            tensors = [
+                {"name": name, "dtype": dtype, "shape": [1, kv_heads, 1, head_dim], "token_axis": 2}
+                for name in ("keys", "values")
+            ]
+            layers.append({
+                "index": i,
+                "cache_class": "KVCache",
+                "tensors": tensors,
+                "rope": self._rope_spec(layer.self_attn, head_dim),
+                "window": 0,
+                "keep": 0,
+                "kv_bits": 0,
+                "kv_group_size": 0,
+            })
+        kv_heads, head_dim = self.layer_shapes[0]
+        architectures = cfg.get("architectures") or [cfg["model_type"]]
+        return {
+            "model_id": model_id,
+            "architecture": architectures[0],
+            "num_layers": self.num_layers,
+            "num_attention_heads": int(cfg["num_attention_heads"]),
+            "num_kv_heads": kv_heads,
+            "head_dim": head_dim,
+            "hidden_size": int(cfg["hidden_size"]),
+            "vocab_size": int(cfg["vocab_size"]),
+            "max_context": int(cfg.get("max_position_embeddings") or 0),
+            "block_tokens": self.block_tokens,
+            "layers": layers,
+        }
+
+    def _make_bundle(self) -> tuple[bytes, dict[str, str]]:
+        """The weights the cache depends on, as the decoder holds them, plus
+        the math parameters; deterministic bytes (sorted names, fixed metadata)."""
+        params = {
+            name: array
+            for name, array in tree_flatten(self.model.parameters())
+            if _BUNDLE_PARAM.search(name)
+        }
+        for i in range(self.num_layers):
+            for part in ("input_layernorm.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"):
+                if not any(n.endswith(f"layers.{i}.{part}") for n in params):
+                    raise StartupError(f"layer {i} has no {part}; cannot build the reconstruction bundle")
+
+        quant = set()
+        for layer in self.layers:
+            for proj in (layer.self_attn.k_proj, layer.self_attn.v_proj):
+                if hasattr(proj, "scales"):
+                    quant.add((proj.group_size, proj.bits, getattr(proj, "mode", "affine")))
+                else:
+                    quant.add((0, 0, "none"))
+        if len(quant) != 1:
+            raise StartupError(f"k/v projections are quantized in several ways {sorted(quant)}")
+        group_size, bits, mode = quant.pop()
+        eps = {float(layer.input_layernorm.eps) for layer in self.layers}
+        if len(eps) != 1:
+            raise StartupError("layers use different RMSNorm eps")
+        kv_heads, head_dim = self.layer_shapes[0]
+        rope = self.spec["layers"][0]["rope"]
+        metadata = {
+            "format": BUNDLE_FORMAT,
+            "model_type": str(self.config["model_type"]),
+            "num_layers": str(self.num_layers),
+            "rms_norm_eps": repr(eps.pop()),
+            "rope_theta": repr(rope["base"]),
+            "rope_traditional": "true" if rope["traditional"] else "false",
+            "head_dim": str(head_dim),
+            "num_kv_heads": str(kv_heads),
+            "group_size": str(group_size),
+            "bits": str(bits),
+            "quant_mode": str(mode),
+            "dtype": dtype_name(self.cache_dtype),
+            "tensors": str(len(params)),
+        }
+        return serialize(sorted(params.items()), metadata), metadata
+
+    def _tokenizer_sha256(self) -> str:
+        h = hashlib.sha256()
+        names = [n for n in TOKENIZER_FILES] + [
+            n for n in EXTRA_TEMPLATE_FILES if (self.model_dir / n).is_file()
+        ]
+        for name in names:
+            path = self.model_dir / name
+            if not path.is_file():
+                raise StartupError(f"{path} is missing; cannot fingerprint the tokenizer")
+            h.update(path.read_bytes())
+        return h.hexdigest()
+
+    # ------------------------------------------------------- any thread (cheap)
+
+    def info(self) -> dict:
+        return self._info
+
+    def tokenize(self, req: dict) -> list[int]:
+        """Exactly what mlx_lm.server would prefill for this request."""
+        if "messages" in req:
+            messages = req["messages"]
+            if not isinstance(messages, list) or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages
+            ):
+                raise BadRequest("messages must be a list of objects with a string 'role'")
+            add_generation_prompt = req.get("add_generation_prompt", True)
+            if not isinstance(add_generation_prompt, bool):
+                raise BadRequest("add_generation_prompt must be a boolean")
+            kwargs = dict(req.get("chat_template_kwargs") or {})
+            if req.get("tools") is not None:
+                kwargs["tools"] = req["tools"]
+            try:
+                tokens = self.tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=add_generation_prompt, tokenize=True, **kwargs
+                )
+            except Exception as e:  # template errors are the request's fault
+                raise BadRequest(f"chat template failed: {e}") from e
+        elif "prompt" in req:
+            if not isinstance(req["prompt"], str):
+                raise BadRequest("prompt must be a string")
+            # As mlx_lm.server's /v1/completions: special tokens per the tokenizer config.
+            tokens = self.tokenizer.encode(req["prompt"])
+        else:
+            raise BadRequest("tokenize needs 'messages' or 'prompt'")
+        return [int(t) for t in tokens]
+
+    # ------------------------------------------------------ model thread only
+
+    def generate(self, req: dict, emit: Emit, received: float) -> dict:
+        """Restores `blocks` (if any) into a fresh cache, lets the model process
+        the rest of the prompt and streams the new tokens through `emit`."""
+        tokens = self._tokens(req)
+        max_tokens = _int(req, "max_tokens", 256, lo=1)
+        temperature = _float(req, "temperature", 0.0, lo=0.0)
+        top_p = _float(req, "top_p", 1.0, lo=0.0, hi=1.0)
+        seed = req.get("seed")
+        if seed is not None and (type(seed) is not int or seed < 0):
+            raise BadRequest("seed must be a non-negative integer or null")
+        blocks = req.get("blocks") or []
+        if not isinstance(blocks, list) or not all(isinstance(b, str) for b in blocks):
+            raise BadRequest("blocks must be a list of file paths")
+        spec_fp = req.get("spec_fingerprint")
+        if spec_fp is not None and not isinstance(spec_fp, str):
+            raise BadRequest("spec_fingerprint must be a string")
+        if len(blocks) * self.block_tokens > len(tokens):
+            raise BadRequest(
+                f"{len(blocks)} blocks of {self.block_tokens} tokens cover more than the "
+                f"{len(tokens)}-token prompt"
+            )
+
+        start = time.perf_counter()
+        cache = make_prompt_cache(self.model)
+        cached = self._restore(cache, blocks, tokens, spec_fp) if blocks else 0
+        restore_ms = _ms(start)
+
+        if seed is not None:
+            mx.random.seed(seed)
+        sampler = make_sampler(temp=temperature, top_p=top_p)
+        finish, tail, completion = "length", "", 0
+        prefill_ms = first_token_ms = None
+        t_gen = t_decode = time.perf_counter()
+        # stream_generate is mlx_lm.server's own loop: generate_step prefill in
+        # PREFILL_STEP_SIZE chunks, EOS handling, streaming detokenizer.
+        responses = stream_generate(
+            self.model, self.tokenizer, mx.array(tokens[cached:]),
+            max_tokens=max_tokens, sampler=sampler, prompt_cache=cache,
+            prefill_step_size=PREFILL_STEP_SIZE,
+        )
+        try:
+            for r in responses:
+                if prefill_ms is None:
+                    prefill_ms, first_token_ms = _ms(t_gen), _ms(received)
+                    t_decode = time.perf_counter()
+                if r.finish_reason == "stop":  # r.token is the EOS: not output
+                    finish, tail = "stop", r.text
+                    break
+                emit({"token": int(r.token), "text": r.text})
+                completion += 1
+                if r.finish_reason == "length":
+                    break
+                if self.cancelled.is_set():
+                    raise Cancelled("adapter is shutting down")
+        finally:
+            responses.close()
+        done = {
+            "done": True,
+            "finish_reason": finish,
+            "prompt_tokens": len(tokens),
+            "cached_tokens": cached,
+            "completion_tokens": completion,
+            "timings_ms": {
+                "queue": _ms(received, start),
+                "restore": restore_ms,
+                "prefill": prefill_ms,
+                "first_token": first_token_ms,
+                "decode": _ms(t_decode),
+                "total": _ms(received),
+            },
+        }
+        if tail:  # text the detokenizer held back until the end (e.g. a partial UTF-8 char)
+            done["text"] = tail
+        return done
+
+    def export(self, req: dict) -> dict:
+        """Computes the decoder's native cache for `tokens` and writes each
+        whole block as a block file."""
+        tokens = self._tokens(req)
+        out_dir = req.get("dir")
+        if not isinstance(out_dir, str) or not out_dir:
+            raise BadRequest("dir must be a path")
+        block_tokens = _int(req, "block_tokens", self.block_tokens, lo=1)
+        spec_fp = req.get("spec_fingerprint") or ""
+        if not isinstance(spec_fp, str):
+            raise BadRequest("spec_fingerprint must be a string")
+        n = len(tokens) // block_tokens
+        keys = req.get("keys")
+        if keys is not None and (
+            not isinstance(keys, list) or len(keys) < n or not all(isinstance(k, str) for k in keys)
+        ):
+            raise BadRequest(f"keys must be a list of at least {n} hex strings")
+        os.makedirs(out_dir, exist_ok=True)
+
+        start = time.perf_counter()
+        cache = make_prompt_cache(self.model)
+        if n:
+            # The whole prompt, as a native generation of it would prefill it;
+            # max_tokens=0 stops right after the last prompt token is processed.
+            for _ in generate_step(
+                mx.array(tokens), self.model, prompt_cache=cache,
+                max_tokens=0, prefill_step_size=PREFILL_STEP_SIZE,
+            ):
+                pass
+        prefill_ms = _ms(start)
+
+        t_write = time.perf_counter()
+        files = []
+        for i in range(n):
+            lo, hi = i * block_tokens, (i + 1) * block_tokens
+            tensors = []
+            for layer, c in enumerate(cache):
+                keys_buf, values_buf, _ = c.state
+                tensors.append((f"{layer}.keys", keys_buf[..., lo:hi, :]))
+                tensors.append((f"{layer}.values", values_buf[..., lo:hi, :]))
+            metadata = {
+                "format": BLOCK_FORMAT,
+                "pdb_block": str(i),
+                "pdb_tokens": str(block_tokens),
+                "pdb_spec": spec_fp,
+                "pdb_key": keys[i] if keys else "",
+                "pdb_parent": (keys[i - 1] if i else ROOT_KEY) if keys else "",
+                "pdb_token_ids": ",".join(map(str, tokens[lo:hi])),
+            }
+            path = os.path.join(os.path.abspath(out_dir), f"block-{i:06}.safetensors")
+            write_atomic(path, serialize(tensors, metadata))
+            files.append(path)
+        return {
+            "blocks": n,
+            "files": files,
+            "timings_ms": {"prefill": prefill_ms, "write": _ms(t_write)},
+        }
+
+    # ------------------------------------------------------------------ helpers
+
+    def _tokens(self, req: dict) -> list[int]:
+        tokens = req.get("tokens")
+        vocab = self.spec["vocab_size"]
+        if not isinstance(tokens, list) or not tokens:
+            raise BadRequest("tokens must be a non-empty list of token ids")
+        for t in tokens:
+            if type(t) is not int or not 0 <= t < vocab:
+                raise BadRequest(f"token id {t!r} is not in [0, {vocab})")
+        return tokens
+
+    def _restore(self, cache: list, paths: list[str], tokens: list[int], spec_fp: str | None) -> int:
+        """Installs the blocks' K/V as the cache's state; returns the number of
+        prompt tokens the model will not recompute."""
+        B = self.block_tokens
+        keys: list[list[mx.array]] = [[] for _ in range(self.num_layers)]
+        values: list[list[mx.array]] = [[] for _ in range(self.num_layers)]
+        for i, path in enumerate(paths):
+            arrays = self._read_block(i, path, tokens[i * B:(i + 1) * B], spec_fp)
+            for layer in range(self.num_layers):
+                keys[layer].append(arrays[f"{layer}.keys"])
+                values[layer].append(arrays[f"{layer}.values"])
+        covered = len(paths) * B
+        for c, k, v in zip(cache, keys, values):
+            # KVCache.state (mlx-lm 0.32.2) = (keys, values, offset); an
+            # exact-size buffer is valid, the next update grows it.
+            c.state = (mx.concatenate(k, axis=2), mx.concatenate(v, axis=2), covered)
+        mx.eval([c.state for c in cache])
+        # The model must process at least the last prompt token itself: that
+        # step yields the first logits.
+        cached = min(covered, len(tokens) - 1)
+        if cached < covered:
+            for c in cache:
+                c.trim(covered - cached)
+        return cached
+
+    def _read_block(self, index: int, path: str, block_ids: list[int], spec_fp: str | None) -> dict:
+        """Loads one block file and checks it fits this decoder and this prompt;
+        any mismatch is a bad request, never a silent native fallback."""
+        where = f"block {index} ({path})"
+        if not os.path.isfile(path):
+            raise BadRequest(f"{where}: no such file")
+        try:
+            arrays, meta = mx.load(path, format="safetensors", return_metadata=True)
+        except Exception as e:
+            raise BadRequest(f"{where}: not a readable safetensors file: {e}") from e
+        B = self.block_tokens
+        expect_meta = {"format": BLOCK_FORMAT, "pdb_block": str(index), "pdb_tokens": str(B)}
+        if spec_fp is not None:
+            expect_meta["pdb_spec"] = spec_fp
+        for key, want in expect_meta.items():
+            if meta.get(key) != want:
+                raise BadRequest(f"{where}: metadata {key}={meta.get(key)!r}, expected {want!r}")
+        if "pdb_token_ids" in meta and meta["pdb_token_ids"] != ",".join(map(str, block_ids)):
+            raise BadRequest(f"{where}: holds other tokens than the prompt's tokens {index * B}..{(index + 1) * B}")
+        expected = {}
+        for layer, (kv_heads, head_dim) in enumerate(self.layer_shapes):
+            for name in ("keys", "values"):
+                expected[f"{layer}.{name}"] = (1, kv_heads, B, head_dim)
+        if missing := sorted(set(expected) - set(arrays)):
+            raise BadRequest(f"{where}: missing tensors {', '.join(missing[:4])}")
+        if extra := sorted(set(arrays) - set(expected)):
+            raise BadRequest(f"{where}: unexpected tensors {', '.join(extra[:4])}")
+        for name, shape in expected.items():
+            a = arrays[name]
+            if tuple(a.shape) != shape or a.dtype != self.cache_dtype:
+                raise BadRequest(
+                    f"{where}: tensor {name} is {_dtype_str(a.dtype)} {list(a.shape)}, "
+                    f"expected {dtype_name(self.cache_dtype)} {list(shape)}"
+                )
+        return arrays
+
+
+def _dtype_str(dtype: mx.Dtype) -> str:
+    try:
+        return dtype_name(dtype)
+    except ValueError:
+        return str(dtype)
+
+
+def _int(req: dict, key: str, default: int, *, lo: int) -> int:
+    v = req.get(key, default)
+    if v is None:
+        v = default
+    if type(v) is not int or v < lo:
+        raise BadRequest(f"{key} must be an integer >= {lo}")
+    return v
+
+
+def _float(req: dict, key: str, default: float, *, lo: float, hi: float | None = None) -> float:
+    v = req.get(key, default)
+    if v is None:
+        v = default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v < lo or (hi is not None and v > hi):
+        raise BadRequest(f"{key} must be a number in [{lo}, {hi if hi is not None else 'inf'}]")
+    return float(v)

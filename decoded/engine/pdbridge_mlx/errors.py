@@ -1,0 +1,14 @@
+"""Exceptions shared by the server and the engine (kept free of MLX imports
+so `--help` and argument errors answer without loading MLX)."""
+
+
+class BadRequest(Exception):
+    """The request is malformed or names blocks that do not fit the spec."""
+
+
+class StartupError(Exception):
+    """The model cannot be served (e.g. an unsupported cache class)."""
+
+
+class Cancelled(Exception):
+    """The client went away or the adapter is shutting down."""

@@ -1,0 +1,314 @@
+"""Command line, unix-socket server and the single model thread.
+
+Connections are served on their own threads so cheap ops (info, tokenize)
+answer at once; model work (generate, export) is queued to ONE thread and runs
+in arrival order, because MLX is not thread-safe.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import logging
+import os
+import queue
+import signal
+import socket
+import stat
+import sys
+import threading
+import time
+from typing import Any, Callable
+
+from .errors import BadRequest, Cancelled, StartupError
+
+log = logging.getLogger("pdbridge_mlx")
+
+# A request is one JSON line; token lists of long prompts are the big part
+# (~7 bytes per token id), so this allows well over a million tokens.
+MAX_REQUEST_BYTES = 16 << 20
+# A client that neither sends its request nor reads our replies for this long
+# is gone; without a limit it could hold the model thread forever.
+IO_TIMEOUT_S = 120.0
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+class _Shutdown(BaseException):
+    """Raised in the main thread by SIGTERM/SIGINT."""
+
+
+class ModelThread:
+    """Runs callables one at a time, in submission order, on one daemon thread."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.busy = False
+        threading.Thread(target=self._run, name="pdbridge-model", daemon=True).start()
+
+    def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._jobs.put((future, fn, args, kwargs))
+        return future.result()
+
+    def _run(self) -> None:
+        while True:
+            future, fn, args, kwargs = self._jobs.get()
+            self.busy = True
+            try:
+                future.set_result(fn(*args, **kwargs))
+            except BaseException as e:  # delivered to the caller's thread
+                future.set_exception(e)
+            finally:
+                self.busy = False
+
+
+def _send(conn: socket.socket, obj: dict) -> None:
+    conn.sendall(json.dumps(obj, separators=(",", ":"), allow_nan=False).encode() + b"\n")
+
+
+def _read_request(conn: socket.socket) -> dict:
+    buf = bytearray()
+    while b"\n" not in buf:
+        chunk = conn.recv(1 << 16)
+        if not chunk:
+            break  # a client may also end its request by closing its write side
+        buf += chunk
+        if len(buf) > MAX_REQUEST_BYTES:
+            raise BadRequest(f"request larger than {MAX_REQUEST_BYTES} bytes")
+    line = bytes(buf).split(b"\n", 1)[0].strip()
+    if not line:
+        raise BadRequest("empty request")
+    try:
+        req = json.loads(line)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise BadRequest(f"request is not JSON: {e}") from e
+    if not isinstance(req, dict):
+        raise BadRequest("request must be a JSON object")
+    return req
+
+
+class Handler:
+    """One request per connection: read a JSON line, answer with JSON lines, close."""
+
+    def __init__(self, engine: Any, model_thread: ModelThread) -> None:
+        self.engine = engine
+        self.model_thread = model_thread
+
+    def __call__(self, conn: socket.socket) -> None:
+        received = time.perf_counter()
+        op = "?"
+        with conn:
+            conn.settimeout(IO_TIMEOUT_S)
+            try:
+                req = _read_request(conn)
+                op = str(req.get("op"))
+                summary = self._dispatch(op, req, conn, received)
+                log.info("op=%s ok %sms=%.1f", op, summary, (time.perf_counter() - received) * 1000)
+            except BadRequest as e:
+                log.warning("op=%s bad_request: %s", op, e)
+                self._send_error(conn, str(e), "bad_request")
+            except Cancelled as e:
+                log.info("op=%s cancelled: %s", op, e)
+            except Exception as e:
+                log.exception("op=%s failed", op)
+                self._send_error(conn, f"{type(e).__name__}: {e}", "internal")
+
+    def _dispatch(self, op: str, req: dict, conn: socket.socket, received: float) -> str:
+        if op == "info":
+            _send(conn, self.engine.info())
+            return ""
+        if op == "tokenize":
+            tokens = self.engine.tokenize(req)
+            _send(conn, {"tokens": tokens})
+            return f"tokens={len(tokens)} "
+        if op == "generate":
+            def emit(obj: dict) -> None:
+                try:
+                    _send(conn, obj)
+                except OSError as e:  # stop generating for a client that left
+                    raise Cancelled(f"client went away: {e}") from e
+
+            done = self.model_thread.call(self.engine.generate, req, emit, received)
+            try:
+                _send(conn, done)
+            except OSError as e:
+                raise Cancelled(f"client went away: {e}") from e
+            t = done["timings_ms"]
+            return (
+                f"prompt={done['prompt_tokens']} cached={done['cached_tokens']} "
+                f"completion={done['completion_tokens']} finish={done['finish_reason']} "
+                f"queue_ms={t['queue']} restore_ms={t['restore']} prefill_ms={t['prefill']} "
+                f"first_token_ms={t['first_token']} decode_ms={t['decode']} "
+            )
+        if op == "export":
+            reply = self.model_thread.call(self.engine.export, req)
+            _send(conn, reply)
+            t = reply["timings_ms"]
+            return f"tokens={len(req['tokens'])} blocks={reply['blocks']} prefill_ms={t['prefill']} write_ms={t['write']} "
+        raise BadRequest(f"unknown op {op!r} (expected info, tokenize, generate or export)")
+
+    @staticmethod
+    def _send_error(conn: socket.socket, message: str, kind: str) -> None:
+        try:
+            _send(conn, {"error": message, "kind": kind})
+        except OSError:
+            pass
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m pdbridge_mlx",
+        description="pd-bridge decode engine adapter: serves an mlx-lm model over a unix socket "
+        "(ops: info, tokenize, generate, export; one JSON request line per connection).",
+    )
+    p.add_argument("--model", required=True, help="mlx-lm model folder")
+    p.add_argument("--socket", required=True, help="unix socket path to serve on (a stale file is replaced)")
+    p.add_argument("--block-tokens", type=int, default=256, help="tokens per store block (default 256)")
+    p.add_argument("--dtype", choices=DTYPES, default="float32",
+                   help="activation/cache dtype (default float32; fp16 is emulated and slow on x86 CPUs)")
+    p.add_argument("--bundle-dir", help="where to write the reconstruction bundle (default: the socket's directory)")
+    p.add_argument("--model-id", help="model identity published in the spec (default: the model folder's name)")
+    p.add_argument("--log-level", default="INFO", help="stderr log level (default INFO)")
+    args = p.parse_args(argv)
+    if args.block_tokens < 1:
+        p.error("--block-tokens must be >= 1")
+    return args
+
+
+def _claim_stdout():
+    """stdout carries exactly one line, the ready line; point fd 1 at stderr
+    so nothing a library prints can corrupt it."""
+    sys.stdout.flush()
+    ready_out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    return ready_out
+
+
+def _remove_stale_socket(path: str) -> None:
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise StartupError(f"{path} exists and is not a socket; refusing to replace it")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except OSError:
+        os.unlink(path)  # nobody listens: a leftover of a dead adapter
+        return
+    finally:
+        probe.close()
+    raise StartupError(f"another process is serving on {path}")
+
+
+def _bind(path: str) -> tuple[socket.socket, int]:
+    _remove_stale_socket(path)  # again: another adapter may have started during our load
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    # Owner-only: the socket lets a caller run the model and write files.
+    old_umask = os.umask(0o177)
+    try:
+        listener.bind(path)
+    except OSError as e:
+        listener.close()
+        raise StartupError(f"cannot bind {path}: {e}") from e
+    finally:
+        os.umask(old_umask)
+    listener.listen(64)
+    return listener, os.lstat(path).st_ino
+
+
+class Adapter:
+    """The process's life: start (model, bundle, socket), serve, close."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.socket_path = os.path.abspath(args.socket)
+        self.model_thread: ModelThread | None = None
+        self.engine: Any = None
+        self.listener: socket.socket | None = None
+        self._inode: int | None = None
+
+    def start(self) -> None:
+        os.makedirs(os.path.dirname(self.socket_path), exist_ok=True)
+        _remove_stale_socket(self.socket_path)  # fail fast, before the slow model load
+        import mlx.core as mx  # not at module level: --help and argument errors stay instant
+
+        from .engine import Engine
+
+        self.model_thread = ModelThread()
+        # Built on the model thread like all MLX work.
+        self.engine = self.model_thread.call(
+            Engine, self.args.model, block_tokens=self.args.block_tokens,
+            dtype=getattr(mx, self.args.dtype),
+            bundle_dir=self.args.bundle_dir or os.path.dirname(self.socket_path),
+            model_id=self.args.model_id,
+        )
+        self.listener, self._inode = _bind(self.socket_path)
+
+    def serve(self) -> None:
+        handler = Handler(self.engine, self.model_thread)
+        while True:
+            conn, _ = self.listener.accept()
+            threading.Thread(target=handler, args=(conn,), name="pdbridge-conn", daemon=True).start()
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.cancelled.set()  # a running generation stops at its next token
+        if self.listener is not None:
+            self.listener.close()
+        # Remove the socket only if it is still ours (not a successor's).
+        try:
+            if self._inode is not None and os.lstat(self.socket_path).st_ino == self._inode:
+                os.unlink(self.socket_path)
+        except FileNotFoundError:
+            pass
+
+    @property
+    def busy(self) -> bool:
+        return self.model_thread is not None and self.model_thread.busy
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse_args(argv)
+    logging.basicConfig(
+        stream=sys.stderr,
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s pdbridge_mlx: %(message)s",
+    )
+    ready_out = _claim_stdout()
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        raise _Shutdown(signal.Signals(signum).name)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+    adapter = Adapter(args)
+    try:
+        t0 = time.perf_counter()
+        try:
+            adapter.start()
+        except Exception as e:
+            if isinstance(e, StartupError):
+                log.error("cannot start: %s", e)
+            else:
+                log.exception("cannot start")
+            ready_out.write(json.dumps({"ready": False, "error": str(e)}) + "\n")
+            ready_out.flush()
+            return 1
+        log.info("serving on %s (ready in %.0f ms)", adapter.socket_path, (time.perf_counter() - t0) * 1000)
+        ready_out.write(json.dumps({"ready": True, "socket": adapter.socket_path}) + "\n")
+        ready_out.flush()
+        adapter.serve()
+    except _Shutdown as sig:
+        log.info("%s: shutting down", sig)
+    finally:
+        adapter.close()
+    if adapter.busy:
+        # A prefill chunk cannot be interrupted; don't let interpreter teardown
+        # wait for (or race) native MLX work on the model thread.
+        logging.shutdown()
+        os._exit(0)
+    return 0

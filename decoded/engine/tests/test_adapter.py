@@ -1,0 +1,459 @@
+"""End-to-end tests of the pdbridge_mlx adapter: the real model over the real
+socket, no mocks.
+
+Run (from the repository root):
+    flock /tmp/pdb-heavy.lock .venv/bin/python -m unittest discover -s decoded/engine/tests -v
+(or with pytest where it is installed). Needs models/smollm2-mlx
+(scripts/prepare-model.py); PDB_TEST_MODEL points elsewhere.
+
+Prompts stay under ~100 tokens: CPU 4-bit MLX prefills ~6-15 tokens/s.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import unittest
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[3]
+ENGINE_DIR = ROOT / "decoded" / "engine"
+MODEL = Path(os.environ.get("PDB_TEST_MODEL", ROOT / "models" / "smollm2-mlx"))
+BLOCK = 16  # small blocks so a ~90-token prompt spans several
+START_TIMEOUT_S = 300
+MESSAGES = [{
+    "role": "user",
+    "content": "Here are some notes about a small garden. The garden has tomatoes, basil, and three kinds "
+    "of peppers. The tomatoes need water every morning, the basil likes partial shade, and the peppers "
+    "grow best in full sun. Summarize the care instructions for each plant in one short sentence each.",
+}]
+MAX_TOKENS = 24
+
+
+def request(path: str, obj: dict | bytes, timeout: float = 600) -> list[dict]:
+    """One request; every reply line, parsed."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout)
+        s.connect(path)
+        s.sendall(obj if isinstance(obj, bytes) else json.dumps(obj).encode() + b"\n")
+        with s.makefile("rb") as f:
+            return [json.loads(line) for line in f]
+
+
+class Adapter:
+    """The adapter as decoded runs it: a subprocess that prints a ready line."""
+
+    def __init__(self, workdir: str, *, bundle_dir: str | None = None, socket_name: str = "engine.sock",
+                 model: Path = MODEL):
+        self.socket = os.path.join(workdir, socket_name)
+        self.stderr_path = tempfile.mkstemp(prefix="adapter-", suffix=".log", dir=workdir)[1]
+        cmd = [sys.executable, "-m", "pdbridge_mlx", "--model", str(model), "--socket", self.socket,
+               "--block-tokens", str(BLOCK)]
+        if bundle_dir:
+            cmd += ["--bundle-dir", bundle_dir]
+        env = dict(os.environ, PYTHONPATH=str(ENGINE_DIR))
+        self._stderr = open(self.stderr_path, "wb")
+        t0 = time.perf_counter()
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._stderr, env=env)
+        self.ready = self._read_ready_line()
+        self.startup_s = time.perf_counter() - t0
+
+    def _read_ready_line(self) -> dict:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            readable, _, _ = select.select([self.proc.stdout], [], [], 1.0)
+            if readable:
+                line = self.proc.stdout.readline()
+                if not line:
+                    break
+                return json.loads(line)
+        self.proc.kill()
+        raise AssertionError(f"adapter gave no ready line; stderr:\n{self.log()}")
+
+    def log(self) -> str:
+        return Path(self.stderr_path).read_text(errors="replace")
+
+    def request(self, obj, **kw) -> list[dict]:
+        return request(self.socket, obj, **kw)
+
+    def stop(self, *, signal_it: bool = True) -> int:
+        if signal_it and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=60)
+        finally:
+            self.proc.stdout.close()
+            self._stderr.close()
+
+
+def load_tokenizer():
+    from mlx_lm.utils import load_tokenizer as load
+
+    return load(MODEL)
+
+
+class AdapterTest(unittest.TestCase):
+    """One adapter (block size 16) shared by the tests; the native generation
+    and the exported blocks are computed once."""
+
+    @classmethod
+    def setUpClass(cls):
+        if not (MODEL / "config.json").is_file():
+            raise unittest.SkipTest(f"{MODEL} is missing (run scripts/prepare-model.py)")
+        cls.tmp = tempfile.TemporaryDirectory(prefix="pdb-adapter-")
+        cls.adapter = Adapter(cls.tmp.name)
+        assert cls.adapter.ready == {"ready": True, "socket": cls.adapter.socket}, cls.adapter.ready
+        cls.info = cls.adapter.request({"op": "info"})[0]
+        cls.tokens = cls.adapter.request({"op": "tokenize", "messages": MESSAGES})[0]["tokens"]
+        cls.native = cls.generate(cls.tokens)
+        cls.block_dir = os.path.join(cls.tmp.name, "blocks")
+        cls.export = cls.adapter.request({"op": "export", "tokens": cls.tokens, "dir": cls.block_dir,
+                                          "block_tokens": BLOCK})[-1]
+
+    @classmethod
+    def tearDownClass(cls):
+        code = cls.adapter.stop()
+        log = cls.adapter.log()
+        sys.stderr.write(f"\n--- adapter startup {cls.adapter.startup_s:.2f} s; log:\n{log}")
+        cls.tmp.cleanup()
+        assert code == 0, f"adapter exited with {code}"
+
+    @classmethod
+    def generate(cls, tokens, blocks=(), **extra) -> tuple[list[dict], dict]:
+        lines = cls.adapter.request({"op": "generate", "tokens": tokens, "blocks": list(blocks),
+                                     "max_tokens": MAX_TOKENS, "temperature": 0.0, "top_p": 1.0,
+                                     "seed": None, **extra})
+        if "error" in lines[-1]:
+            raise AssertionError(f"generate failed: {lines[-1]}")
+        return lines[:-1], lines[-1]
+
+    def assert_bad_request(self, lines: list[dict], needle: str):
+        self.assertEqual(len(lines), 1, lines)
+        self.assertEqual(lines[0].get("kind"), "bad_request", lines)
+        self.assertIn(needle, lines[0]["error"])
+
+    # ---------------------------------------------------------------- info
+
+    def test_info_spec(self):
+        spec = self.info["spec"]
+        self.assertEqual(spec["architecture"], "LlamaForCausalLM")
+        self.assertEqual(
+            {k: spec[k] for k in ("num_layers", "num_attention_heads", "num_kv_heads", "head_dim",
+                                  "hidden_size", "vocab_size", "max_context", "block_tokens")},
+            {"num_layers": 30, "num_attention_heads": 9, "num_kv_heads": 3, "head_dim": 64,
+             "hidden_size": 576, "vocab_size": 49152, "max_context": 8192, "block_tokens": BLOCK},
+        )
+        self.assertEqual(len(spec["layers"]), 30)
+        for i, layer in enumerate(spec["layers"]):
+            self.assertEqual(layer, {
+                "index": i, "cache_class": "KVCache",
+                "tensors": [{"name": n, "dtype": "F32", "shape": [1, 3, 1, 64], "token_axis": 2}
+                            for n in ("keys", "values")],
+                "rope": {"kind": "default", "base": 100000.0, "traditional": False, "dims": 64, "scaling": {}},
+                "window": 0, "keep": 0, "kv_bits": 0, "kv_group_size": 0,
+            })
+        self.assertEqual(self.info["model_id"], spec["model_id"])
+
+    def test_bundle_holds_the_decoders_own_kv_weights(self):
+        import mlx.core as mx
+
+        path = self.info["bundle_path"]
+        self.assertEqual(hashlib.sha256(Path(path).read_bytes()).hexdigest(), self.info["bundle_sha256"])
+        arrays, meta = mx.load(path, return_metadata=True)
+        expected = {f"model.layers.{i}.{part}" for i in range(30) for part in (
+            "input_layernorm.weight",
+            *(f"self_attn.{p}_proj.{t}" for p in "kv" for t in ("weight", "scales", "biases")))}
+        self.assertEqual(set(arrays), expected)
+        self.assertEqual(arrays["model.layers.0.self_attn.k_proj.weight"].dtype, mx.uint32)
+        self.assertEqual(arrays["model.layers.0.self_attn.k_proj.scales"].dtype, mx.float32)
+        for key, want in {"rms_norm_eps": "1e-05", "rope_theta": "100000.0", "rope_traditional": "false",
+                          "head_dim": "64", "num_kv_heads": "3", "group_size": "32", "bits": "4",
+                          "quant_mode": "affine"}.items():
+            self.assertEqual(meta.get(key), want, key)
+        # The fp32 model folder holds exactly these arrays: the bundle is the decoder's form.
+        weights = mx.load(str(MODEL / "model.safetensors"))
+        for name in expected:
+            self.assertTrue(mx.array_equal(arrays[name], weights[name]).item(), name)
+            self.assertEqual(arrays[name].dtype, weights[name].dtype, name)
+
+    def test_tokenizer_fingerprint(self):
+        h = hashlib.sha256((MODEL / "tokenizer.json").read_bytes() + (MODEL / "tokenizer_config.json").read_bytes())
+        self.assertEqual(self.info["tokenizer_sha256"], h.hexdigest())
+
+    # ------------------------------------------------------------ tokenize
+
+    def test_tokenize_matches_mlx_lm(self):
+        tok = load_tokenizer()
+        self.assertEqual(self.tokens, tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True))
+        self.assertGreater(len(self.tokens), 5 * BLOCK)
+        reply = self.adapter.request({"op": "tokenize", "prompt": "Once upon a time"})
+        self.assertEqual(reply, [{"tokens": tok.encode("Once upon a time")}])
+
+    # ------------------------------------------------------------ generate
+
+    def test_native_generation(self):
+        lines, done = self.native
+        self.assertEqual(done["cached_tokens"], 0)
+        self.assertEqual(done["prompt_tokens"], len(self.tokens))
+        self.assertEqual(done["completion_tokens"], len(lines))
+        self.assertGreater(len(lines), 0)
+        self.assertIn(done["finish_reason"], ("stop", "length"))
+        for key in ("restore", "prefill", "first_token", "total"):
+            self.assertIsInstance(done["timings_ms"][key], float)
+        # The streamed deltas spell out exactly the generated ids.
+        text = "".join(line["text"] for line in lines) + done.get("text", "")
+        self.assertEqual(text, load_tokenizer().decode([line["token"] for line in lines]))
+
+    def test_generation_from_exported_blocks_is_identical(self):
+        n = len(self.tokens) // BLOCK
+        self.assertEqual(self.export["blocks"], n)
+        lines, done = self.generate(self.tokens, self.export["files"])
+        self.assertEqual(done["cached_tokens"], n * BLOCK)
+        self.assertEqual([l["token"] for l in lines], [l["token"] for l in self.native[0]])
+        self.assertEqual([l["text"] for l in lines], [l["text"] for l in self.native[0]])
+        self.assertEqual(done["finish_reason"], self.native[1]["finish_reason"])
+        sys.stderr.write(f"\nnative {self.native[1]['timings_ms']}\nbridged {done['timings_ms']}\n")
+
+    def test_blocks_covering_the_whole_prompt_leave_the_last_token(self):
+        prompt = self.tokens[: 5 * BLOCK]  # a prompt that is exactly whole blocks
+        native_lines, native_done = self.generate(prompt)
+        lines, done = self.generate(prompt, self.export["files"][:5])
+        self.assertEqual(done["cached_tokens"], len(prompt) - 1)
+        self.assertEqual([l["token"] for l in lines], [l["token"] for l in native_lines])
+        self.assertEqual(done["finish_reason"], native_done["finish_reason"])
+
+    def test_seeded_sampling_is_reproducible(self):
+        files = self.export["files"]
+        runs = [self.generate(self.tokens, files, temperature=0.9, top_p=0.9, seed=7)[0] for _ in range(2)]
+        self.assertEqual([l["token"] for l in runs[0]], [l["token"] for l in runs[1]])
+
+    def test_a_client_that_leaves_cancels_its_generation(self):
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.connect(self.adapter.socket)
+            s.sendall(json.dumps({"op": "generate", "tokens": self.tokens, "blocks": self.export["files"],
+                                  "max_tokens": 2000}).encode() + b"\n")
+            s.makefile("rb").readline()  # the first token: the generation is running
+        # Were the model thread still busy with 2000 tokens (~3 min), this would wait.
+        t0 = time.monotonic()
+        _, done = self.generate(self.tokens, self.export["files"], max_tokens=1)
+        self.assertLess(time.monotonic() - t0, 30)
+        self.assertEqual(done["completion_tokens"], 1)
+        self.assertIn("op=generate cancelled: client went away", self.adapter.log())
+
+    # -------------------------------------------------------------- export
+
+    def test_exported_blocks_match_the_spec(self):
+        import mlx.core as mx
+
+        files = self.export["files"]
+        self.assertEqual([os.path.basename(f) for f in files],
+                         [f"block-{i:06}.safetensors" for i in range(len(files))])
+        for i, path in enumerate(files):
+            arrays, meta = mx.load(path, return_metadata=True)
+            self.assertEqual(meta["format"], "pdbridge-block-v1")
+            self.assertEqual((meta["pdb_block"], meta["pdb_tokens"], meta["pdb_spec"], meta["pdb_key"]),
+                             (str(i), str(BLOCK), "", ""))
+            self.assertEqual(meta["pdb_token_ids"], ",".join(map(str, self.tokens[i * BLOCK:(i + 1) * BLOCK])))
+            names = set()
+            for layer in self.info["spec"]["layers"]:
+                for t in layer["tensors"]:
+                    name = f"{layer['index']}.{t['name']}"
+                    names.add(name)
+                    shape = list(t["shape"])
+                    shape[t["token_axis"]] = BLOCK
+                    self.assertEqual(list(arrays[name].shape), shape, name)
+                    self.assertEqual(arrays[name].dtype, mx.float32, name)
+            self.assertEqual(set(arrays), names)
+
+    def test_export_with_fingerprint_and_keys(self):
+        spec_fp, keys = "ab" * 32, ["%064x" % (i + 1) for i in range(2)]
+        out = os.path.join(self.tmp.name, "keyed")
+        reply = self.adapter.request({"op": "export", "tokens": self.tokens[: 2 * BLOCK + 3], "dir": out,
+                                      "spec_fingerprint": spec_fp, "keys": keys})[-1]
+        self.assertEqual(reply["blocks"], 2, reply)
+        import mlx.core as mx
+
+        for i, path in enumerate(reply["files"]):
+            _, meta = mx.load(path, return_metadata=True)
+            self.assertEqual((meta["pdb_spec"], meta["pdb_key"], meta["pdb_parent"]),
+                             (spec_fp, keys[i], keys[i - 1] if i else "00" * 32))
+        # A request naming the same spec accepts them; another spec is refused.
+        _, done = self.generate(self.tokens, reply["files"], spec_fingerprint=spec_fp, max_tokens=1)
+        self.assertEqual(done["cached_tokens"], 2 * BLOCK)
+        lines = self.adapter.request({"op": "generate", "tokens": self.tokens, "blocks": reply["files"],
+                                      "spec_fingerprint": "cd" * 32, "max_tokens": 1})
+        self.assert_bad_request(lines, "pdb_spec")
+
+    # ------------------------------------------------- refusals (no model work)
+
+    def _tampered(self, name: str, change) -> str:
+        """A copy of block 0 with `change(arrays)` applied."""
+        import mlx.core as mx
+
+        arrays, meta = mx.load(self.export["files"][0], return_metadata=True)
+        change(arrays)
+        path = os.path.join(self.tmp.name, f"{name}.safetensors")
+        mx.save_safetensors(path, arrays, metadata=meta)
+        return path
+
+    def _generate_with_block0(self, path: str) -> list[dict]:
+        return self.adapter.request({"op": "generate", "tokens": self.tokens,
+                                     "blocks": [path, *self.export["files"][1:]], "max_tokens": 4})
+
+    def test_refuses_a_block_with_a_wrong_shape(self):
+        path = self._tampered("short", lambda a: a.update({"3.keys": a["3.keys"][:, :, : BLOCK // 2, :]}))
+        self.assert_bad_request(self._generate_with_block0(path), "3.keys")
+
+    def test_refuses_a_block_with_a_missing_tensor(self):
+        path = self._tampered("missing", lambda a: a.pop("5.values"))
+        self.assert_bad_request(self._generate_with_block0(path), "missing tensors 5.values")
+
+    def test_refuses_a_block_with_a_wrong_dtype(self):
+        import mlx.core as mx
+
+        path = self._tampered("f16", lambda a: a.update({"0.values": a["0.values"].astype(mx.float16)}))
+        self.assert_bad_request(self._generate_with_block0(path), "0.values is F16")
+
+    def test_refuses_blocks_out_of_order_or_for_other_tokens(self):
+        files = self.export["files"]
+        lines = self.adapter.request({"op": "generate", "tokens": self.tokens, "blocks": [files[1], files[0]]})
+        self.assert_bad_request(lines, "pdb_block")
+        other = [t for t in self.tokens]
+        other[3] = (other[3] + 1) % 49152
+        lines = self.adapter.request({"op": "generate", "tokens": other, "blocks": files[:1]})
+        self.assert_bad_request(lines, "other tokens")
+        lines = self.adapter.request({"op": "generate", "tokens": self.tokens[:BLOCK], "blocks": files[:2]})
+        self.assert_bad_request(lines, "cover more than")
+        lines = self.adapter.request({"op": "generate", "tokens": self.tokens, "blocks": ["/nonexistent/b"]})
+        self.assert_bad_request(lines, "no such file")
+
+    def test_bad_requests(self):
+        self.assert_bad_request(self.adapter.request(b"{not json\n"), "not JSON")
+        self.assert_bad_request(self.adapter.request({"op": "fly"}), "unknown op")
+        self.assert_bad_request(self.adapter.request({"op": "generate", "tokens": []}), "tokens")
+        self.assert_bad_request(self.adapter.request({"op": "generate", "tokens": [1, 10**6]}), "token id")
+        self.assert_bad_request(self.adapter.request({"op": "generate", "tokens": [1], "max_tokens": 0}),
+                                "max_tokens")
+        self.assert_bad_request(self.adapter.request({"op": "tokenize"}), "messages")
+
+    # ----------------------------------------------------------- concurrency
+
+    def test_info_and_tokenize_answer_while_generating(self):
+        first_token = threading.Event()
+        finished_at = []
+
+        def run():
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.connect(self.adapter.socket)
+                s.sendall(json.dumps({"op": "generate", "tokens": self.tokens, "max_tokens": 64}).encode() + b"\n")
+                with s.makefile("rb") as f:
+                    for line in f:
+                        first_token.set()
+                finished_at.append(time.monotonic())
+
+        worker = threading.Thread(target=run)
+        worker.start()
+        # The prefill alone (no blocks) takes seconds; ask while it runs.
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        info = self.adapter.request({"op": "info"})
+        tokens = self.adapter.request({"op": "tokenize", "messages": MESSAGES})
+        answered_at = time.monotonic()
+        worker.join(timeout=600)
+        self.assertEqual(info, [self.info])
+        self.assertEqual(tokens, [{"tokens": self.tokens}])
+        self.assertTrue(first_token.is_set())
+        self.assertLess(answered_at, finished_at[0], "info/tokenize waited for the generation")
+        self.assertLess(answered_at - t0, 2.0)
+
+
+class LifecycleTest(unittest.TestCase):
+    """Startup and shutdown: stable bundle across restarts, stale and live
+    sockets, SIGTERM."""
+
+    def test_restart_gives_the_same_bundle_and_sigterm_removes_the_socket(self):
+        if not (MODEL / "config.json").is_file():
+            self.skipTest(f"{MODEL} is missing")
+        with tempfile.TemporaryDirectory(prefix="pdb-life-") as tmp:
+            shas = []
+            for run in range(2):
+                bundle_dir = os.path.join(tmp, f"bundles{run}")  # a fresh write each time
+                sock = os.path.join(tmp, "engine.sock")
+                if run == 1:  # leave a stale socket file behind: the adapter replaces it
+                    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                    stale.bind(sock)
+                    stale.close()
+                adapter = Adapter(tmp, bundle_dir=bundle_dir)
+                try:
+                    self.assertTrue(adapter.ready["ready"], adapter.log())
+                    info = adapter.request({"op": "info"})[0]
+                    shas.append((info["bundle_sha256"], Path(info["bundle_path"]).read_bytes()))
+                    if run == 1:
+                        # A second adapter on a live socket refuses to start.
+                        other = Adapter(tmp, bundle_dir=bundle_dir)
+                        self.assertEqual(other.ready["ready"], False)
+                        self.assertIn("another process", other.ready["error"])
+                        self.assertEqual(other.stop(signal_it=False), 1)  # exits on its own
+                    if run == 0:
+                        # SIGTERM in the middle of a generation (an uninterruptible
+                        # prefill) still exits at once and cleanly.
+                        client = threading.Thread(target=lambda: adapter.request(
+                            {"op": "generate", "tokens": list(range(100, 190)), "max_tokens": 8}))
+                        client.start()
+                        time.sleep(1.0)
+                        t0 = time.monotonic()
+                        self.assertEqual(adapter.stop(), 0, adapter.log())
+                        self.assertLess(time.monotonic() - t0, 5.0)
+                        client.join(timeout=60)
+                finally:
+                    code = adapter.stop()
+                self.assertEqual(code, 0, adapter.log())
+                self.assertFalse(os.path.exists(sock), "socket left behind after SIGTERM")
+                self.assertIn("SIGTERM: shutting down", adapter.log())
+            self.assertEqual(shas[0], shas[1])
+
+    def test_refuses_to_start_for_other_cache_classes(self):
+        """A tiny random-weight llama with a sliding-window layer: its
+        RotatingKVCache is not supported yet, so the adapter must not start."""
+        if not (MODEL / "config.json").is_file():
+            self.skipTest(f"{MODEL} is missing")
+        import shutil
+
+        import mlx.core as mx
+        from mlx.utils import tree_flatten
+        from mlx_lm.models import llama
+
+        with tempfile.TemporaryDirectory(prefix="pdb-sliding-") as tmp:
+            model_dir = Path(tmp) / "model"
+            model_dir.mkdir()
+            for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+                shutil.copy(MODEL / name, model_dir / name)
+            config = {
+                "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64,
+                "num_hidden_layers": 2, "intermediate_size": 128, "num_attention_heads": 4,
+                "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-5, "vocab_size": 49152,
+                "rope_theta": 10000.0, "tie_word_embeddings": True, "max_position_embeddings": 256,
+                "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 32,
+            }
+            (model_dir / "config.json").write_text(json.dumps(config))
+            model = llama.Model(llama.ModelArgs.from_dict(config))
+            mx.save_safetensors(str(model_dir / "model.safetensors"), dict(tree_flatten(model.parameters())))
+            adapter = Adapter(tmp, model=model_dir)
+            self.assertEqual(adapter.stop(signal_it=False), 1)
+            self.assertFalse(adapter.ready["ready"])
+            self.assertIn("layer 0 uses RotatingKVCache", adapter.ready["error"])
+            self.assertIn("supports only KVCache", adapter.log())
+            self.assertFalse(os.path.exists(adapter.socket))
+
+
+if __name__ == "__main__":
+    unittest.main()
