@@ -1,32 +1,49 @@
 #!/usr/bin/env bash
-# The main job: builds both daemons, starts them from the example configs on
-# loopback, shows that each answers health and metrics, and stops them cleanly.
+# The main job: bridge a real long prompt between the two daemons.
+#
+# Installs the engines and prepares the model (both cached under the repo),
+# builds the daemons, starts decoded and prefilld from deploy/examples/ with a
+# fresh store, sends one long prompt (this repository's LICENSE, ~2,400
+# tokens, and a question) through decoded's front door bridged, then forced
+# native, prints both answers, and ends with one JSON line of results.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 scripts/setup-engines.sh
+.venv/bin/python scripts/prepare-model.py
 cargo build --workspace --bins --locked --release
-run=$(mktemp -d)
-trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$run"' EXIT
 
-start() {
-  local name=$1 grpc=$2 admin=$3
-  ./target/release/"$name" --config deploy/examples/"$name".toml \
-    --grpc-listen "127.0.0.1:$grpc" --admin-listen "127.0.0.1:$admin" 2>"$run/$name.log" &
-  echo $! > "$run/$name.pid"
-  for _ in $(seq 50); do curl -sf "http://127.0.0.1:$admin/healthz" >/dev/null && return; sleep 0.1; done
-  echo "$name did not start:" >&2; cat "$run/$name.log" >&2; exit 1
+run=var/demo
+rm -rf "$run"
+mkdir -p "$run"
+pids=()
+cleanup() {
+  for pid in "${pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
+  wait 2>/dev/null || true
 }
+trap cleanup EXIT
 
-start decoded 7070 9470
-start prefilld 7071 9471
-for pair in decoded:9470 prefilld:9471; do
-  name=${pair%%:*} admin=${pair##*:}
-  echo "== $name: /healthz $(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$admin/healthz")," \
-       "/readyz $(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$admin/readyz")"
-  curl -s "http://127.0.0.1:$admin/metrics" | grep '^pdbridge_'
-done
-for name in prefilld decoded; do
-  kill -TERM "$(cat "$run/$name.pid")"
-  wait "$(cat "$run/$name.pid")" && echo "== $name stopped cleanly (exit 0)"
-done
+# A fresh store and sockets of its own, so earlier runs cannot help the demo.
+export PDB_STORE__DIR="$run/store" PDB_ENGINE__SOCKET="$run/engine.sock"
+./target/release/decoded --config deploy/examples/decoded.toml 2>"$run/decoded.log" &
+pids+=($!)
+unset PDB_STORE__DIR PDB_ENGINE__SOCKET
+export PDB_ENGINE__PLUGIN_SOCKET="$run/plugin.sock"
+./target/release/prefilld --config deploy/examples/prefilld.toml 2>"$run/prefilld.log" &
+pids+=($!)
+unset PDB_ENGINE__PLUGIN_SOCKET
+
+wait_ready() {
+  local name=$1 admin=$2 deadline=$((SECONDS + 900))
+  until curl -sf "http://127.0.0.1:$admin/readyz" >/dev/null; do
+    if (( SECONDS > deadline )); then
+      echo "$name did not become ready; its log:" >&2; tail -40 "$run/$name.log" >&2; exit 1
+    fi
+    sleep 1
+  done
+  echo "== $name ready" >&2
+}
+wait_ready decoded 9470
+wait_ready prefilld 9471
+
+.venv/bin/python scripts/demo_client.py --url http://127.0.0.1:8080 --document LICENSE

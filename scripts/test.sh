@@ -5,5 +5,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 scripts/setup-engines.sh
+.venv/bin/python scripts/prepare-model.py
 cargo build --workspace --bins --locked
 cargo nextest run --workspace --locked --no-fail-fast "$@"

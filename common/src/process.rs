@@ -40,6 +40,23 @@ pub async fn supervise<F, Fut, E>(
     }
 }
 
+/// Makes the child receive SIGTERM when this process dies, however it dies,
+/// so an engine never outlives its daemon (Linux; elsewhere a no-op).
+pub fn die_with_parent(cmd: &mut tokio::process::Command) {
+    #[cfg(target_os = "linux")]
+    // SAFETY: prctl(2) is async-signal-safe and touches only the child's own state.
+    unsafe {
+        cmd.pre_exec(|| {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = cmd;
+}
+
 /// Marks the engine up in metrics (the supervisor marks it down).
 pub fn mark_up(engine: &'static str) {
     metrics::gauge!("pdbridge_engine_up", "engine" => engine).set(1.0);

@@ -145,6 +145,9 @@ pub struct GenerateSummary {
     pub completion_tokens: u32,
     #[serde(default)]
     pub timings_ms: BTreeMap<String, f64>,
+    /// Characters the detokenizer held back until the end.
+    #[serde(default)]
+    pub text: String,
 }
 
 #[derive(Debug, Deserialize)]
@@ -412,6 +415,7 @@ fn spawn(config: &EngineConfig, block_tokens: u32) -> Result<Child, EngineError>
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .kill_on_drop(true);
+    process::die_with_parent(&mut cmd);
     tracing::info!(python = %config.python.display(), model = %config.model.display(), "starting decode engine");
     cmd.spawn().map_err(|e| EngineError::Internal(format!("spawn {}: {e}", config.python.display())))
 }

@@ -132,8 +132,9 @@ struct Verdict {
     prompt_tokens: u32,
     /// Prompt tokens restored from the store.
     cached_tokens: u32,
-    /// Blocks this request pushed through the bridge.
+    /// Blocks this request pushed through the bridge, of `block_tokens` each.
     blocks: u32,
+    block_tokens: u32,
     bytes: u64,
     timings_ms: BTreeMap<String, f64>,
 }
@@ -314,7 +315,10 @@ impl Front {
                     }
                     text.push_str(&piece);
                 }
-                Some(Ok(GenerateEvent::Done(summary))) => break summary,
+                Some(Ok(GenerateEvent::Done(summary))) => {
+                    text.push_str(&summary.text);
+                    break summary;
+                }
                 Some(Err(e)) => return Err(e.into()),
                 None => return Err(FrontError::Engine("generation ended without a summary".into())),
             }
@@ -355,6 +359,7 @@ impl Front {
             prompt_tokens: tokens.len() as u32,
             cached_tokens: (restored * b).min(tokens.len() - 1) as u32,
             blocks: 0,
+            block_tokens: b as u32,
             bytes: 0,
             timings_ms: BTreeMap::new(),
         };

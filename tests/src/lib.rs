@@ -173,6 +173,24 @@ impl Daemon {
     }
 }
 
+impl Drop for Daemon {
+    /// A test that fails mid-way still stops its daemon gracefully, so the
+    /// daemon stops its engines too.
+    fn drop(&mut self) {
+        let Ok(None) = self.child.try_wait() else { return };
+        if let Some(pid) = self.child.id() {
+            // SAFETY: kill(2) on our own child, not yet reaped.
+            unsafe { libc::kill(pid as i32, libc::SIGTERM) };
+        }
+        for _ in 0..100 {
+            if !matches!(self.child.try_wait(), Ok(None)) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+}
+
 /// Runs a daemon binary to completion with `args`, returning its exit status
 /// and stderr (for config errors, which happen before logging starts).
 pub async fn run_to_exit(name: &str, args: &[&str], env: &[(&str, &str)]) -> (ExitStatus, String) {
@@ -184,4 +202,88 @@ pub async fn run_to_exit(name: &str, args: &[&str], env: &[(&str, &str)]) -> (Ex
         .await
         .unwrap_or_else(|e| panic!("run {name}: {e}"));
     (output.status, String::from_utf8_lossy(&output.stderr).into_owned())
+}
+
+/// Paths of the real engines and models, as prepared by `scripts/test.sh`.
+pub struct Engines {
+    pub python: PathBuf,
+    pub decoder_model: PathBuf,
+    pub prefill_model: PathBuf,
+    pub adapter_dir: PathBuf,
+    pub plugin_dir: PathBuf,
+}
+
+impl Engines {
+    pub fn locate() -> Engines {
+        let root = workspace_root();
+        let engines = Engines {
+            python: root.join(".venv/bin/python"),
+            decoder_model: root.join("models/smollm2-mlx"),
+            prefill_model: root.join("models/smollm2-hf"),
+            adapter_dir: root.join("decoded/engine"),
+            plugin_dir: root.join("prefilld/engine"),
+        };
+        for path in [&engines.python, &engines.decoder_model, &engines.prefill_model] {
+            assert!(
+                path.exists(),
+                "{} is missing: run scripts/test.sh (it installs the engines and prepares the model)",
+                path.display()
+            );
+        }
+        engines
+    }
+
+    /// decoded with its real engine; `extra` is appended (e.g. a `[front]` section).
+    pub fn decoded_config(&self, store_dir: &Path, block_tokens: u32, extra: &str) -> String {
+        format!(
+            "{server}[store]\ndir = {store:?}\nblock_tokens = {block_tokens}\n\
+             [engine]\npython = {python:?}\nadapter_dir = {adapter:?}\nmodel = {model:?}\nsocket = {socket:?}\n{extra}",
+            server = loopback_config("prefilld", "5s"),
+            store = store_dir,
+            python = self.python,
+            adapter = self.adapter_dir,
+            model = self.decoder_model,
+            socket = store_dir.with_extension("sock"),
+        )
+    }
+
+    /// prefilld with real vLLM and no default decoder (requests name theirs).
+    pub fn prefilld_config(&self, var_dir: &Path) -> String {
+        format!(
+            "{server}[engine]\npython = {python:?}\nplugin_dir = {plugin:?}\nmodel = {model:?}\ndtype = \"float32\"\n\
+             max_model_len = 4096\nplugin_socket = {socket:?}\nbundle_dir = {bundles:?}\n\
+             [engine.env]\nVLLM_CPU_KVCACHE_SPACE = \"2\"\nVLLM_CPU_NUM_OF_RESERVED_CPU = \"1\"\n",
+            server = loopback_config("prefilld", "5s"),
+            python = self.python,
+            plugin = self.plugin_dir,
+            model = self.prefill_model,
+            socket = var_dir.join("plugin.sock"),
+            bundles = var_dir.join("bundles"),
+        )
+    }
+}
+
+/// Real text for prompts: the Apache License 2.0 at the repository root.
+pub fn license_text() -> String {
+    std::fs::read_to_string(workspace_root().join("LICENSE")).expect("LICENSE at the repository root")
+}
+
+impl Daemon {
+    /// Waits until `/readyz` answers 200 (the engine is up), failing after `limit`.
+    pub async fn wait_ready(&self, limit: Duration) {
+        let deadline = tokio::time::Instant::now() + limit;
+        let url = self.admin_url("/readyz");
+        loop {
+            if reqwest::get(&url).await.is_ok_and(|r| r.status() == reqwest::StatusCode::OK) {
+                return;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "{} not ready after {limit:?}; log:\n{}",
+                self.name,
+                self.log_text()
+            );
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+    }
 }

@@ -1,4 +1,6 @@
 //! One test binary for every end-to-end concern; each module starts the real
 //! daemon binaries on loopback.
 
+mod bridge;
 mod foundation;
+mod push;

@@ -1,0 +1,169 @@
+//! The bridge end to end on the real engines: vLLM prefills, the plugin
+//! reconstructs the decoder's cache, prefilld streams it, decoded stores it,
+//! and mlx-lm answers from it — plus every way it must refuse to pretend.
+
+use std::time::Duration;
+
+use pdbridge_tests::{Daemon, Engines, Scratch, license_text};
+use serde_json::{Value, json};
+
+/// Small blocks keep the prompts (and the decoder's slow CPU prefill) short.
+const BLOCK_TOKENS: u64 = 32;
+/// The decoder's own cache for this model: 30 layers × (K + V) × 3 heads × 64 × fp32.
+const CACHE_BYTES_PER_TOKEN: f64 = 46_080.0;
+
+struct Answer {
+    status: u16,
+    verdict: Value,
+    body: Value,
+}
+
+impl Answer {
+    fn text(&self) -> &str {
+        self.body["choices"][0]["message"]["content"].as_str().unwrap_or_default()
+    }
+    fn cached_tokens(&self) -> u64 {
+        self.body["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().expect("usage.cached_tokens")
+    }
+    fn prompt_tokens(&self) -> u64 {
+        self.body["usage"]["prompt_tokens"].as_u64().expect("usage.prompt_tokens")
+    }
+}
+
+async fn chat(decoded: &Daemon, messages: &Value, mode: &str) -> Answer {
+    let url = format!("http://{}/v1/chat/completions", decoded.front.expect("front door"));
+    let body = json!({"messages": messages, "max_tokens": 8, "temperature": 0});
+    let response = reqwest::Client::new()
+        .post(url)
+        .header("x-pd-bridge-mode", mode)
+        .json(&body)
+        .send()
+        .await
+        .expect("front door answers");
+    let status = response.status().as_u16();
+    let verdict = response
+        .headers()
+        .get("x-pd-bridge")
+        .map(|v| serde_json::from_str(v.to_str().unwrap()).expect("verdict is JSON"))
+        .unwrap_or(Value::Null);
+    let body = response.json().await.unwrap_or(Value::Null);
+    Answer { status, verdict, body }
+}
+
+fn user(text: &str) -> Value {
+    json!([{"role": "user", "content": text}])
+}
+
+#[tokio::test]
+async fn bridged_answers_on_real_engines() {
+    let engines = Engines::locate();
+    let scratch = Scratch::new("bridge");
+    let license = license_text();
+    let paragraphs: Vec<&str> = license.split("\n\n").collect();
+
+    let mut prefilld = Daemon::start("prefilld", &engines.prefilld_config(&scratch.0.join("prefilld"))).await;
+    prefilld.wait_ready(Duration::from_secs(900)).await;
+    let front = format!(
+        "[front]\nlisten = \"127.0.0.1:0\"\nprefilld = \"http://{}\"\nmin_bridge_tokens = {BLOCK_TOKENS}\n",
+        prefilld.grpc
+    );
+    let store = scratch.0.join("store");
+    let decoded_config = engines.decoded_config(&store, BLOCK_TOKENS as u32, &front);
+    let mut decoded = Daemon::start("decoded", &decoded_config).await;
+    decoded.wait_ready(Duration::from_secs(300)).await;
+
+    // 1. A cold prompt is bridged: the store covers every whole block.
+    let first_prompt = format!("{}\n\nWhat is this text?", paragraphs[..3].join("\n\n"));
+    let first = user(&first_prompt);
+    let bridged = chat(&decoded, &first, "auto").await;
+    assert_eq!(bridged.status, 200, "{:?}", bridged.body);
+    let v = &bridged.verdict;
+    assert_eq!(v["outcome"], "bridged", "{v}");
+    let prompt_tokens = bridged.prompt_tokens();
+    assert!(
+        bridged.cached_tokens() + BLOCK_TOKENS >= prompt_tokens,
+        "cached {} of {prompt_tokens}",
+        bridged.cached_tokens()
+    );
+    assert_eq!(v["cached_tokens"].as_u64(), Some(bridged.cached_tokens()), "header and usage agree");
+    let blocks = v["blocks"].as_u64().unwrap();
+    assert_eq!(blocks, prompt_tokens / BLOCK_TOKENS);
+    let per_token = v["bytes"].as_f64().unwrap() / (blocks * BLOCK_TOKENS) as f64;
+    assert!((per_token / CACHE_BYTES_PER_TOKEN - 1.0).abs() < 0.01, "payload {per_token} B/token");
+
+    // 2. The same prompt served natively gives the same greedy answer.
+    let native = chat(&decoded, &first, "native").await;
+    assert_eq!(native.verdict["outcome"], "native");
+    assert_eq!(native.verdict["reason"], "requested");
+    assert_eq!(native.cached_tokens(), 0, "a native answer restores nothing");
+    assert_eq!(native.text(), bridged.text(), "bridged and native greedy answers differ");
+
+    // 3. Extending the conversation bridges only the new blocks.
+    let extended = json!([
+        {"role": "user", "content": first_prompt},
+        {"role": "assistant", "content": bridged.text()},
+        {"role": "user", "content": format!("{}\n\nAnd this part?", paragraphs[3..5].join("\n\n"))},
+    ]);
+    let second = chat(&decoded, &extended, "auto").await;
+    assert_eq!(second.status, 200, "{:?}", second.body);
+    assert_eq!(second.verdict["outcome"], "bridged", "{}", second.verdict);
+    let second_blocks = second.prompt_tokens() / BLOCK_TOKENS;
+    assert_eq!(second.verdict["blocks"].as_u64(), Some(second_blocks - blocks), "only the new blocks travel");
+
+    // 4. A repeat is served from the store without the bridge.
+    let repeat = chat(&decoded, &first, "auto").await;
+    assert_eq!(repeat.verdict["outcome"], "cached", "{}", repeat.verdict);
+    assert_eq!(repeat.verdict["blocks"], 0);
+    assert_eq!(repeat.text(), bridged.text());
+
+    // 5. A restarted decoded still serves every committed block.
+    decoded.terminate();
+    assert_eq!(decoded.wait(Duration::from_secs(60)).await.code(), Some(0));
+    let mut decoded = Daemon::start("decoded", &decoded_config).await;
+    decoded.wait_ready(Duration::from_secs(300)).await;
+    let after_restart = chat(&decoded, &extended, "auto").await;
+    assert_eq!(after_restart.verdict["outcome"], "cached", "{}", after_restart.verdict);
+    assert_eq!(after_restart.cached_tokens(), second.cached_tokens());
+    assert_eq!(after_restart.text(), second.text());
+
+    // 6. With prefilld gone: native with the reason, or a loud failure when the bridge is required.
+    prefilld.terminate();
+    assert_eq!(prefilld.wait(Duration::from_secs(120)).await.code(), Some(0));
+    let fresh = user(&format!("{}\n\nSummarize.", paragraphs[6..8].join("\n\n")));
+    let required = chat(&decoded, &fresh, "bridge").await;
+    assert_eq!(required.status, 502, "{:?}", required.body);
+    assert_eq!(required.verdict["outcome"], "failed");
+    assert_eq!(required.verdict["reason"], "prefill_unavailable");
+    let fallback = chat(&decoded, &fresh, "auto").await;
+    assert_eq!(fallback.status, 200);
+    assert_eq!(fallback.verdict["outcome"], "native", "{}", fallback.verdict);
+    assert_eq!(fallback.verdict["reason"], "prefill_unavailable");
+    assert_eq!(fallback.cached_tokens(), 0);
+
+    // 7. Bad requests get 400s and leave the store as it was.
+    let url = format!("http://{}/v1/chat/completions", decoded.front.unwrap());
+    let client = reqwest::Client::new();
+    let bad_mode = client
+        .post(&url)
+        .header("x-pd-bridge-mode", "sideways")
+        .json(&json!({"messages": first}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(bad_mode.status().as_u16(), 400);
+    let bad_body = client.post(&url).json(&json!({"messages": "nope"})).send().await.unwrap();
+    assert_eq!(bad_body.status().as_u16(), 400);
+    let bad_tokens = client.post(&url).json(&json!({"messages": first, "max_tokens": -3})).send().await.unwrap();
+    assert_eq!(bad_tokens.status().as_u16(), 400);
+    let still = chat(&decoded, &first, "auto").await;
+    assert_eq!(still.verdict["outcome"], "cached");
+
+    // Every verdict above is counted.
+    let metrics = reqwest::get(decoded.admin_url("/metrics")).await.unwrap().text().await.unwrap();
+    assert!(
+        metrics.contains("pdbridge_bridge_outcomes_total{outcome=\"native\",reason=\"prefill_unavailable\"} 1"),
+        "{metrics}"
+    );
+    decoded.terminate();
+    assert_eq!(decoded.wait(Duration::from_secs(60)).await.code(), Some(0));
+}

@@ -1,0 +1,193 @@
+//! `CacheStore.Push` against a real decoded (real decode engine, real store):
+//! bad shards are refused with precise statuses, completed blocks survive a cut
+//! stream and a restart, and nothing partial ever appears in the store.
+//!
+//! Shard payloads here are arbitrary bytes of the right size: the store does
+//! not interpret cache values, and what is under test is framing, verification
+//! and commit.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use pdbridge_common::{
+    proto::{
+        CacheSpec, GetBundleRequest, GetSpecRequest, LookupRequest, PushFrame, PushOpen, PushReceipt, PushSeal, Shard,
+        cache_store_client::CacheStoreClient, push_frame::Frame,
+    },
+    shard::{self, TensorId},
+    spec,
+};
+use pdbridge_tests::{Daemon, Engines, Scratch};
+use tonic::{Code, transport::Channel};
+
+const BLOCK_TOKENS: u32 = 16;
+
+/// Every shard of block `index`: each tensor split in two, bytes derived from `seed`.
+fn block_shards(spec: &CacheSpec, index: u32, seed: u8) -> Vec<Shard> {
+    let mut shards = Vec::new();
+    for layer in &spec.layers {
+        for tensor in &layer.tensors {
+            let expected = spec::block_tensor(spec, layer.index, &tensor.name).unwrap();
+            let len = expected.byte_len() as usize;
+            let data: Vec<u8> = (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect();
+            let id = TensorId {
+                block_index: index,
+                layer: layer.index,
+                tensor: tensor.name.clone(),
+                dtype: expected.dtype,
+                shape: expected.shape.clone(),
+            };
+            shards.extend(shard::split(&id, Bytes::from(data), len.div_ceil(2)));
+        }
+    }
+    shards
+}
+
+fn frames(open: PushOpen, shards: Vec<Shard>, seal: Option<u32>) -> Vec<PushFrame> {
+    let mut out = vec![PushFrame { frame: Some(Frame::Open(open)) }];
+    out.extend(shards.into_iter().map(|s| PushFrame { frame: Some(Frame::Shard(s)) }));
+    out.extend(seal.map(|n| PushFrame { frame: Some(Frame::Seal(PushSeal { blocks_emitted: n })) }));
+    out
+}
+
+async fn push(client: &mut CacheStoreClient<Channel>, frames: Vec<PushFrame>) -> Result<PushReceipt, tonic::Status> {
+    client.push(tokio_stream::iter(frames)).await.map(|r| r.into_inner())
+}
+
+async fn cached_blocks(client: &mut CacheStoreClient<Channel>, tokens: &[u32]) -> u32 {
+    client
+        .lookup(LookupRequest { token_ids: tokens.to_vec(), spec_fingerprint: String::new() })
+        .await
+        .unwrap()
+        .into_inner()
+        .cached_blocks
+}
+
+/// Files in the store that are not complete blocks (temp or partial files).
+fn stray_files(store: &std::path::Path) -> Vec<String> {
+    let tmp = store.join("tmp");
+    std::fs::read_dir(tmp).map(|d| d.flatten().map(|e| e.path().display().to_string()).collect()).unwrap_or_default()
+}
+
+#[tokio::test]
+async fn bad_shards_are_refused_and_committed_blocks_survive() {
+    let engines = Engines::locate();
+    let scratch = Scratch::new("push");
+    let store = scratch.0.join("store");
+    let config = engines.decoded_config(&store, BLOCK_TOKENS, "[front]\nlisten = \"127.0.0.1:0\"\n");
+    let mut decoded = Daemon::start("decoded", &config).await;
+    decoded.wait_ready(Duration::from_secs(300)).await;
+    let mut client = CacheStoreClient::new(decoded.channel().await).max_decoding_message_size(64 << 20);
+    let spec = client.get_spec(GetSpecRequest {}).await.unwrap().into_inner();
+    assert_eq!(spec::fingerprint(&spec), spec.spec_fingerprint, "the published fingerprint covers the spec");
+    assert_eq!(spec.block_tokens, BLOCK_TOKENS);
+
+    // The bundle streams whole and matches its fingerprint.
+    let mut chunks = client
+        .get_bundle(GetBundleRequest { spec_fingerprint: spec.spec_fingerprint.clone() })
+        .await
+        .unwrap()
+        .into_inner();
+    let mut bundle = Vec::new();
+    while let Some(chunk) = chunks.message().await.unwrap() {
+        assert_eq!(chunk.offset as usize, bundle.len());
+        bundle.extend_from_slice(&chunk.data);
+    }
+    use sha2::Digest;
+    assert_eq!(spec::hex(&sha2::Sha256::digest(&bundle)), spec.weights_fingerprint);
+    let stale = client.get_bundle(GetBundleRequest { spec_fingerprint: "0".repeat(64) }).await;
+    assert_eq!(stale.err().map(|s| s.code()), Some(Code::FailedPrecondition));
+
+    let tokens: Vec<u32> = (100..100 + 3 * BLOCK_TOKENS + 5).collect();
+    let open = |first_block| PushOpen {
+        request_id: "t".into(),
+        spec_fingerprint: spec.spec_fingerprint.clone(),
+        token_ids: tokens.clone(),
+        first_block,
+    };
+
+    // Spec mismatch.
+    let mut wrong = open(0);
+    wrong.spec_fingerprint = "f".repeat(64);
+    let err = push(&mut client, frames(wrong, block_shards(&spec, 0, 1), Some(1))).await.unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
+
+    // Corrupt payload: checksum fails.
+    let mut shards = block_shards(&spec, 0, 1);
+    let mut bytes = shards[7].payload.to_vec();
+    bytes[0] ^= 0xff;
+    shards[7].payload = bytes.into();
+    let err = push(&mut client, frames(open(0), shards, Some(1))).await.unwrap_err();
+    assert_eq!(err.code(), Code::DataLoss, "{err:?}");
+
+    // Duplicated shard.
+    let mut shards = block_shards(&spec, 0, 1);
+    shards.insert(3, shards[2].clone());
+    let err = push(&mut client, frames(open(0), shards, Some(1))).await.unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
+
+    // Out of range: a block past the prompt's whole blocks, and bytes past a tensor's end.
+    let err = push(&mut client, frames(open(0), block_shards(&spec, 3, 1), Some(1))).await.unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
+    let mut shards = block_shards(&spec, 0, 1);
+    shards[1].byte_offset += 4;
+    let err = push(&mut client, frames(open(0), shards, Some(1))).await.unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
+
+    // Wrong shape and an unknown tensor.
+    let mut shards = block_shards(&spec, 0, 1);
+    shards[0].shape[2] += 1;
+    let err = push(&mut client, frames(open(0), shards, Some(1))).await.unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
+    let mut shards = block_shards(&spec, 0, 1);
+    shards[0].tensor = "queries".into();
+    let err = push(&mut client, frames(open(0), shards, Some(1))).await.unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
+
+    // A stream that does not open first.
+    let seal_first = vec![PushFrame { frame: Some(Frame::Seal(PushSeal { blocks_emitted: 0 })) }];
+    let err =
+        push(&mut client, seal_first.into_iter().chain(frames(open(0), Vec::new(), None)).collect()).await.unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
+
+    // Every refusal above left nothing behind.
+    assert_eq!(cached_blocks(&mut client, &tokens).await, 0);
+    assert!(stray_files(&store).is_empty(), "{:?}", stray_files(&store));
+
+    // Truncated: block 0 complete, block 1 only half sent, then the seal.
+    let mut shards = block_shards(&spec, 0, 1);
+    let block1 = block_shards(&spec, 1, 2);
+    shards.extend(block1[..block1.len() / 2].iter().cloned());
+    let receipt = push(&mut client, frames(open(0), shards, Some(2))).await.unwrap();
+    assert_eq!(receipt.blocks_committed, 1);
+    assert_eq!(receipt.first_missing_block, 1);
+    assert!(!receipt.reason.is_empty(), "a short stream says why");
+    assert_eq!(cached_blocks(&mut client, &tokens).await, 1);
+
+    // A corrupt shard in block 2 after a good block 1: block 1 stays committed.
+    let mut shards = block_shards(&spec, 1, 2);
+    let mut bad = block_shards(&spec, 2, 3);
+    let mut bytes = bad[0].payload.to_vec();
+    bytes[1] ^= 1;
+    bad[0].payload = bytes.into();
+    shards.extend(bad);
+    let err = push(&mut client, frames(open(1), shards, Some(2))).await.unwrap_err();
+    assert_eq!(err.code(), Code::DataLoss);
+    assert_eq!(cached_blocks(&mut client, &tokens).await, 2);
+
+    // A re-push of a committed block within one stream is a duplicate.
+    let mut shards = block_shards(&spec, 2, 3);
+    shards.extend(block_shards(&spec, 2, 3));
+    let err = push(&mut client, frames(open(2), shards, Some(1))).await.unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument);
+    assert_eq!(cached_blocks(&mut client, &tokens).await, 3, "block 2 committed before its duplicate arrived");
+    assert!(stray_files(&store).is_empty());
+
+    // A restart keeps every committed block.
+    decoded.terminate();
+    assert_eq!(decoded.wait(Duration::from_secs(30)).await.code(), Some(0));
+    let decoded = Daemon::start("decoded", &config).await;
+    decoded.wait_ready(Duration::from_secs(300)).await;
+    let mut client = CacheStoreClient::new(decoded.channel().await);
+    assert_eq!(cached_blocks(&mut client, &tokens).await, 3);
+}
