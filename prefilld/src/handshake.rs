@@ -194,3 +194,66 @@ impl Decoders {
         Ok(path)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use pdbridge_common::proto::{LayerSpec, Rope};
+
+    use super::*;
+
+    fn profile() -> ModelProfile {
+        ModelProfile {
+            architecture: "LlamaForCausalLM".into(),
+            num_layers: 2,
+            num_attention_heads: 9,
+            num_kv_heads: 3,
+            head_dim: 64,
+            hidden_size: 576,
+            vocab_size: 49152,
+            rope_theta: 1e5,
+            tokenizer_fingerprint: "tok".into(),
+        }
+    }
+
+    fn matching_spec() -> CacheSpec {
+        CacheSpec {
+            architecture: "LlamaForCausalLM".into(),
+            num_layers: 2,
+            num_attention_heads: 9,
+            num_kv_heads: 3,
+            head_dim: 64,
+            hidden_size: 576,
+            vocab_size: 49152,
+            tokenizer_fingerprint: "tok".into(),
+            layers: (0..2)
+                .map(|index| LayerSpec {
+                    index,
+                    cache_class: "KVCache".into(),
+                    rope: Some(Rope { kind: "default".into(), base: 1e5, dims: 64, ..Default::default() }),
+                    ..Default::default()
+                })
+                .collect(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_matching_spec_has_no_mismatches() {
+        assert_eq!(mismatches(&profile(), &matching_spec()), Vec::<String>::new());
+    }
+
+    #[test]
+    fn every_disagreement_is_named() {
+        let mut spec = matching_spec();
+        spec.num_kv_heads = 4;
+        spec.tokenizer_fingerprint = "other".into();
+        spec.layers[1].rope.as_mut().unwrap().base = 1e4;
+        spec.layers[0].cache_class = "RotatingKVCache".into();
+        let found = mismatches(&profile(), &spec);
+        let joined = found.join("\n");
+        for needle in ["kv heads", "tokenizer", "layer 1 rope base", "layer 0: cache RotatingKVCache"] {
+            assert!(joined.contains(needle), "{needle} not reported in:\n{joined}");
+        }
+        assert_eq!(found.len(), 4, "{joined}");
+    }
+}
