@@ -1,0 +1,346 @@
+"""`PdBridgeConnector`: vLLM v1 KV connector that turns captured hidden states into the decoder's cache.
+
+Load it with ``--kv-transfer-config '{"kv_connector": "PdBridgeConnector", "kv_connector_module_path":
+"pdbridge_vllm.connector", "kv_role": "kv_producer"}'`` together with the ``extract_hidden_states``
+speculative method capturing ids 0..L-1 (id i = the residual stream entering layer i).
+
+Flow, per request that carries ``kv_transfer_params.pdbridge`` (all other requests: plain vLLM):
+
+1. Scheduler side (engine core), every step, ``build_connector_meta``: for each pdbridge request
+   scheduled in the step, the token range the step computes ``[start, end)``, the request's block
+   table in the hidden-states KV group, and whether the step completes the prompt. New requests
+   also carry their params and prompt length. When the engine finishes a request
+   (``request_finished``), the next step's metadata says so.
+2. Worker side, during the step: ``save_kv_layer`` for the hidden-states layer records the slots
+   the drafter wrote this step — the proof that the step's tokens were captured.
+3. Worker side, ``wait_for_save`` (after the target and draft forwards, metadata bound): checks the
+   step's tokens were captured, then, for every block ``b`` in ``[first_block, first_block +
+   num_blocks)`` whose ``block_tokens`` tokens are now all captured, copies their hidden states out of
+   the paged cache (float32) and queues them to the streamer thread (`streamer.py`), which computes
+   the decoder's K/V with MLX (`reconstruct.py`) and writes the block to prefilld's unix socket. So
+   blocks leave per engine step, as chunked prefill completes them.
+4. The step whose metadata says the prompt is complete ends the stream: the captured length must
+   equal the prompt length, then ``done`` (or ``error``) follows the last block. A request the
+   engine finishes before that (abort, preemption limits) gets ``error/aborted``. No timers.
+
+The socket framing is in `protocol.py`. Nothing here raises into vLLM's step loop for a per-request
+problem; it becomes that request's ``error`` message.
+
+Extra config (``kv_connector_extra_config``): ``max_queued_mb`` (256; captured hidden states copied
+out and waiting for MLX/socket — past it the step loop waits), ``socket_timeout_s`` (60), ``streamer_cpus`` ("all", a
+comma list, or null to leave the thread's affinity alone), ``mlx_streams`` (2; MLX streams —
+on CPU, threads — that reconstruct layers in parallel; the result is bit-identical for any count).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+    ExampleHiddenStatesConnector,
+)
+
+from . import protocol
+from .streamer import BridgeParams, RequestStream, Streamer
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+logger = logging.getLogger("vllm.pdbridge_vllm")
+
+PARAMS_KEY = "pdbridge"
+
+
+def _bridge_params(kv_transfer_params: Any) -> Any:
+    """The raw ``pdbridge`` entry of a request's kv_transfer_params, or None (inert request)."""
+    if isinstance(kv_transfer_params, dict):
+        return kv_transfer_params.get(PARAMS_KEY)
+    return None
+
+
+@dataclass
+class NewBridgeRequest:
+    req_id: str
+    raw_params: Any  # validated on the worker, which can report errors on the request's socket
+    prompt_len: int
+
+
+@dataclass
+class StepProgress:
+    req_id: str
+    block_ids: list[int]  # the request's whole block table in the hidden-states group
+    start: int  # first position computed this step
+    end: int  # positions [start, end) are computed (and captured) this step
+    prompt_done: bool  # this step computes the prompt's last token
+
+
+@dataclass
+class PdBridgeMetadata(KVConnectorMetadata):
+    new_requests: list[NewBridgeRequest] = field(default_factory=list)
+    progress: list[StepProgress] = field(default_factory=list)
+    # Requests the engine finished since the last step: req_id -> raw params (for requests the
+    # worker never saw, e.g. aborted while waiting).
+    finished: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class _SchedState:
+    prompt_len: int
+    block_ids: list[int]
+    prompt_done: bool = False
+
+
+@dataclass
+class _WorkerState:
+    stream: RequestStream
+    prompt_len: int
+    block_ids: list[int] = field(default_factory=list)
+    captured: int = 0  # positions [0, captured) verified as captured
+    next_block: int = 0
+    finished: bool = False  # done or error queued; nothing more to do
+
+    @property
+    def params(self) -> BridgeParams:
+        return self.stream.params
+
+
+class PdBridgeConnector(ExampleHiddenStatesConnector):
+    """Subclasses ExampleHiddenStatesConnector for its hidden-states group discovery and
+    `register_kv_caches`; replaces all of its file-writing (and CUDA-stream) machinery."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        draft_hf = vllm_config.speculative_config.draft_model_config.hf_config
+        self._capture_ids: list[int] = list(draft_hf.eagle_aux_hidden_state_layer_ids)
+        extra = self._kv_transfer_config.get_from_extra_config
+        # Scheduler side.
+        self._sched: dict[str, _SchedState] = {}
+        self._finished: dict[str, Any] = {}
+        # Worker side.
+        self._reqs: dict[str, _WorkerState] = {}
+        self._step_slots: torch.Tensor | None = None
+        self._streamer = (
+            Streamer(self._capture_ids, max_queued_mb=float(extra("max_queued_mb", 256)),
+                     socket_timeout_s=float(extra("socket_timeout_s", 60.0)),
+                     cpus=extra("streamer_cpus", "all"),
+                     mlx_streams=int(extra("mlx_streams", 2)))
+            if role == KVConnectorRole.WORKER else None
+        )
+
+    # ============================== scheduler side ==============================
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = PdBridgeMetadata(finished=self._finished)
+        self._finished = {}
+        gid = self._cache_kv_group_id
+        start_of: dict[str, int] = {}
+
+        for new in scheduler_output.scheduled_new_reqs:
+            extra_args = new.sampling_params.extra_args if new.sampling_params else None
+            raw = _bridge_params((extra_args or {}).get("kv_transfer_params"))
+            if raw is None:
+                continue
+            self._sched[new.req_id] = _SchedState(new.prompt_len, list(new.block_ids[gid]))
+            meta.new_requests.append(NewBridgeRequest(new.req_id, raw, new.prompt_len))
+            start_of[new.req_id] = new.num_computed_tokens
+
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            st = self._sched.get(req_id)
+            if st is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if new_ids is not None:  # resumed requests get a fresh table, others an extension
+                if req_id in cached.resumed_req_ids:
+                    st.block_ids = list(new_ids[gid])
+                else:
+                    st.block_ids.extend(new_ids[gid])
+            start_of[req_id] = cached.num_computed_tokens[i]
+
+        block_state = scheduler_output.kv_connector_block_state
+        for req_id, n in scheduler_output.num_scheduled_tokens.items():
+            st = self._sched.get(req_id)
+            if st is None or st.prompt_done or req_id not in start_of:
+                continue
+            if block_state is not None and (ids := block_state.get_block_ids(req_id)) is not None:
+                st.block_ids = list(ids[gid])  # the authoritative table, when the engine offers it
+            start = start_of[req_id]
+            st.prompt_done = start + n >= st.prompt_len
+            meta.progress.append(StepProgress(req_id, list(st.block_ids), start, start + n,
+                                              st.prompt_done))
+        return meta
+
+    def update_state_after_alloc(self, request: Request, blocks, num_external_tokens: int):
+        pass  # store-only: never loads external tokens
+
+    def request_finished(self, request: Request, block_ids: list[int]
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        raw = _bridge_params(request.kv_transfer_params)
+        st = self._sched.pop(request.request_id, None)
+        if raw is None:
+            return False, None  # plain vLLM request
+        # The worker copies hidden states out during the step that computes them, so blocks are
+        # never needed after this point: free them now.
+        self._finished[request.request_id] = raw
+        rid = raw.get("request_id") if isinstance(raw, dict) else None
+        return False, {PARAMS_KEY: {"request_id": rid, "prompt_tokens": request.num_prompt_tokens,
+                                    "prefill_complete": bool(st and st.prompt_done)}}
+
+    # ============================== worker side ==============================
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
+                      attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
+        # Called after every attention layer; only the drafter's hidden-states layer matters. Its
+        # slot mapping is what was just written into the hidden-states cache.
+        if layer_name in self.cache_layers and self._has_bridge_work():
+            slots = getattr(attn_metadata, "slot_mapping", None)
+            if slots is not None:
+                self._step_slots = slots.clone()
+
+    def wait_for_save(self) -> None:
+        try:
+            if self._is_tp_rank_zero and self._has_bridge_work():
+                self._process_step(self._get_connector_metadata())
+        except Exception:  # never take the engine down; affected requests fail individually
+            logger.exception("pdbridge: step processing failed")
+            for st in list(self._reqs.values()):
+                if not st.finished:
+                    self._fail(st, protocol.INTERNAL, "step processing raised; see engine log")
+        finally:
+            self._step_slots = None
+
+    def get_finished(self, finished_req_ids: set[str]
+                     ) -> tuple[set[str] | None, set[str] | None]:
+        return None, None  # nothing is ever sent asynchronously after a request finishes
+
+    def shutdown(self):
+        if self._streamer is not None:
+            self._streamer.close()
+        super().shutdown()
+
+    def _has_bridge_work(self) -> bool:
+        if not self.has_connector_metadata():
+            return False
+        meta = self._get_connector_metadata()
+        return isinstance(meta, PdBridgeMetadata) and bool(
+            meta.new_requests or meta.progress or meta.finished)
+
+    def _process_step(self, meta: PdBridgeMetadata) -> None:
+        for new in meta.new_requests:
+            self._register(new)
+        for prog in meta.progress:
+            st = self._reqs.get(prog.req_id)
+            if st is not None and not st.finished:
+                self._advance(st, prog)
+        for req_id, raw in meta.finished.items():
+            st = self._reqs.pop(req_id, None)
+            if st is None:  # finished before its first step: still owed an answer
+                try:
+                    st = _WorkerState(RequestStream(BridgeParams.parse(raw)), prompt_len=0)
+                except ValueError:
+                    continue  # no usable socket to tell
+            if not st.finished:
+                self._fail(st, protocol.ABORTED,
+                           f"the engine finished the request after {st.captured} captured tokens, "
+                           "before its prefill completed")
+
+    def _register(self, new: NewBridgeRequest) -> None:
+        try:
+            params = BridgeParams.parse(new.raw_params)
+        except ValueError as e:
+            logger.warning("pdbridge: request %s: %s", new.req_id, e)
+            sock = new.raw_params.get("socket") if isinstance(new.raw_params, dict) else None
+            if isinstance(sock, str):  # report it if there is anywhere to report it
+                rid = str(new.raw_params.get("request_id", new.req_id))
+                bad = BridgeParams(rid, sock, "", "", "", 1, 0, 0)
+                self._streamer.submit_error(RequestStream(bad), protocol.BAD_PARAMS, str(e))
+            return
+        st = _WorkerState(RequestStream(params), prompt_len=new.prompt_len,
+                          next_block=params.first_block)
+        self._reqs[new.req_id] = st
+        if params.end_block * params.block_tokens > new.prompt_len:
+            self._fail(st, protocol.PROMPT_TOO_SHORT,
+                       f"blocks [{params.first_block}, {params.end_block}) of {params.block_tokens} "
+                       f"tokens need {params.end_block * params.block_tokens} tokens; the prompt "
+                       f"has {new.prompt_len}")
+            return
+        self._streamer.submit_start(st.stream)
+
+    def _advance(self, st: _WorkerState, prog: StepProgress) -> None:
+        if st.stream.failed:
+            st.finished = True
+            return
+        st.block_ids = prog.block_ids
+        t0 = time.perf_counter()
+        if prog.start > st.captured:
+            # Skipped positions were never computed here, so never captured (e.g. a prefix-cache
+            # hit): refuse rather than ship states this request did not produce.
+            self._fail(st, protocol.LENGTH_MISMATCH,
+                       f"positions [{st.captured}, {prog.start}) were not computed by this request "
+                       "(prefix-cache hit? run vLLM with --no-enable-prefix-caching)")
+            return
+        if prog.end > prog.start:
+            if not self._was_captured(st, prog.start, prog.end):
+                self._fail(st, protocol.CAPTURE_MISSING,
+                           f"positions [{prog.start}, {prog.end}) were computed but their hidden "
+                           "states were not captured this step")
+                return
+            # max(): a recompute after preemption restarts at 0 over already-verified positions.
+            st.captured = max(st.captured, min(prog.end, st.prompt_len))
+
+        B = st.params.block_tokens
+        while st.next_block < st.params.end_block and (st.next_block + 1) * B <= st.captured:
+            hidden = self._gather(st, st.next_block * B, (st.next_block + 1) * B)
+            st.stream.capture_ms += (time.perf_counter() - t0) * 1e3
+            self._streamer.submit_block(st.stream, st.next_block, hidden)  # may wait: backpressure
+            st.next_block += 1
+            t0 = time.perf_counter()
+        st.stream.capture_ms += (time.perf_counter() - t0) * 1e3
+
+        if prog.prompt_done:
+            if st.captured != st.prompt_len:
+                self._fail(st, protocol.LENGTH_MISMATCH,
+                           f"captured {st.captured} tokens, the prompt has {st.prompt_len}")
+            elif st.next_block != st.params.end_block:  # unreachable given _register's check
+                self._fail(st, protocol.INTERNAL, f"emitted up to block {st.next_block} only")
+            else:
+                self._streamer.submit_done(st.stream, st.captured)
+                st.finished = True
+
+    def _slots(self, st: _WorkerState, start: int, end: int) -> torch.Tensor:
+        bs = self._block_size
+        pos = torch.arange(start, end, dtype=torch.long)
+        table = torch.tensor(st.block_ids, dtype=torch.long)
+        return table[pos // bs] * bs + pos % bs
+
+    def _was_captured(self, st: _WorkerState, start: int, end: int) -> bool:
+        if self._step_slots is None:
+            return False
+        written = self._step_slots.to(device="cpu", dtype=torch.long)
+        return bool(torch.isin(self._slots(st, start, end), written).all())
+
+    def _gather(self, st: _WorkerState, start: int, end: int) -> torch.Tensor:
+        """Copy positions [start, end) out of the paged hidden-states cache: [T, n_captured, hidden]
+        on the host, in the engine's dtype. A copy, so vLLM may free or reuse the blocks right
+        after; float32 conversion happens on the streamer thread."""
+        slots = self._slots(st, start, end).to(self._kv_cache.device)
+        bs = self._block_size
+        return self._kv_cache[slots // bs, :, slots % bs].to("cpu")  # advanced indexing copies
+
+    def _fail(self, st: _WorkerState, reason: str, message: str) -> None:
+        st.finished = True
+        self._streamer.submit_error(st.stream, reason, message)

