@@ -8,3 +8,7 @@ scripts/setup-engines.sh
 .venv/bin/python scripts/prepare-model.py
 cargo build --workspace --bins --locked
 cargo nextest run --workspace --locked --no-fail-fast "$@"
+# The engine adapters' own tests, on the real engines (unittest: the engines'
+# environment has no pytest).
+.venv/bin/python -m unittest discover -s decoded/engine/tests
+.venv/bin/python -m unittest discover -s prefilld/engine/tests
