@@ -25,11 +25,11 @@ trap cleanup EXIT
 
 # A fresh store and sockets of its own, so earlier runs cannot help the demo.
 export PDB_STORE__DIR="$run/store" PDB_ENGINE__SOCKET="$run/engine.sock"
-./target/release/decoded --config deploy/examples/decoded.toml 2>"$run/decoded.log" &
+./target/release/decoded --config deploy/examples/decoded.toml >"$run/decoded.log" 2>&1 &
 pids+=($!)
 unset PDB_STORE__DIR PDB_ENGINE__SOCKET
 export PDB_ENGINE__PLUGIN_SOCKET="$run/plugin.sock"
-./target/release/prefilld --config deploy/examples/prefilld.toml 2>"$run/prefilld.log" &
+./target/release/prefilld --config deploy/examples/prefilld.toml >"$run/prefilld.log" 2>&1 &
 pids+=($!)
 unset PDB_ENGINE__PLUGIN_SOCKET
 
