@@ -161,6 +161,7 @@ pub async fn serve_rpc(
     );
     let admin_router = admin::router(telemetry::metrics_handle(), readiness.clone()).merge(rpc.admin_routes);
     let mut admin_task = tokio::spawn(admin::serve(rpc.admin, admin_router, stop.clone().cancelled_owned()));
+    tokio::spawn(notify_service_manager(readiness.subscribe(), stop.clone()));
 
     // A listener that dies early takes the daemon down rather than leaving it
     // half-alive.
@@ -185,6 +186,30 @@ pub async fn serve_rpc(
         Err(_) => tracing::warn!("drain deadline passed with streams still open; closing them"),
     }
     Ok(())
+}
+
+/// Tells systemd (`Type=notify`) when the daemon is first ready and when it
+/// starts stopping; a no-op when not started by a service manager.
+async fn notify_service_manager(mut ready: tokio::sync::watch::Receiver<bool>, stop: CancellationToken) {
+    use sd_notify::NotifyState;
+    let became_ready = async {
+        while !*ready.borrow_and_update() {
+            if ready.changed().await.is_err() {
+                return false;
+            }
+        }
+        true
+    };
+    tokio::select! {
+        _ = stop.cancelled() => {}
+        ready = became_ready => {
+            if ready {
+                let _ = sd_notify::notify(false, &[NotifyState::Ready]);
+            }
+            stop.cancelled().await;
+        }
+    }
+    let _ = sd_notify::notify(false, &[NotifyState::Stopping]);
 }
 
 fn flatten<E: Into<ServeError>>(r: Result<Result<(), E>, tokio::task::JoinError>) -> Result<(), ServeError> {

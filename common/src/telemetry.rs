@@ -47,3 +47,24 @@ pub fn record_build_info(daemon: &'static str) {
     metrics::describe_gauge!("pdbridge_build_info", "Build of the running daemon (always 1).");
     metrics::gauge!("pdbridge_build_info", "daemon" => daemon, "version" => env!("CARGO_PKG_VERSION")).set(1.0);
 }
+
+/// Registers the metrics both daemons publish, at zero, so a dashboard query
+/// never finds a name missing just because nothing has happened yet.
+pub fn register_common(engine: &'static str, service: &'static str) {
+    metrics::describe_gauge!("pdbridge_engine_up", "1 while the engine child is ready.");
+    metrics::gauge!("pdbridge_engine_up", "engine" => engine).set(0.0);
+    metrics::describe_counter!("pdbridge_engine_restarts_total", "Engine child restarts after a crash.");
+    metrics::counter!("pdbridge_engine_restarts_total", "engine" => engine).absolute(0);
+    metrics::describe_counter!("pdbridge_grpc_errors_total", "gRPC calls answered with an error, by status code.");
+    metrics::counter!("pdbridge_grpc_errors_total", "service" => service, "code" => "Unavailable").absolute(0);
+    metrics::describe_histogram!(
+        "pdbridge_stage_seconds",
+        metrics::Unit::Seconds,
+        "Duration of one stage of a request."
+    );
+}
+
+/// Records one stage's duration in `pdbridge_stage_seconds{stage}`.
+pub fn record_stage(stage: &'static str, seconds: f64) {
+    metrics::histogram!("pdbridge_stage_seconds", "stage" => stage).record(seconds);
+}

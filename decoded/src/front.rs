@@ -25,6 +25,7 @@ use pdbridge_common::{
         PrefillRequest, outcome::Status as OutcomeStatus, prefill_event::Event as PrefillEventKind,
         prefiller_client::PrefillerClient,
     },
+    telemetry,
 };
 use serde::Serialize;
 use serde_json::{Value, json};
@@ -329,6 +330,7 @@ impl Front {
         }
         check_restored(&plan.verdict, &summary)?;
         record_outcome(&plan.verdict);
+        record_stages(&plan.verdict, &summary);
         let body = match kind {
             Kind::Chat => json!({
                 "id": id, "object": "chat.completion", "created": created, "model": model,
@@ -368,6 +370,8 @@ impl Front {
             return Ok(plain("native", Some("requested"), 0));
         }
         let cached = self.store.longest_prefix(&keys);
+        let lookup = if cached > 0 { "hit" } else { "miss" };
+        metrics::counter!("pdbridge_store_lookups_total", "outcome" => lookup).increment(1);
         let missing_tokens = (keys.len() - cached) * b;
         // Why the bridge is not used for the missing blocks, if it is not.
         let refusal = if missing_tokens == 0 {
@@ -494,6 +498,22 @@ fn check_restored(verdict: &Verdict, summary: &GenerateSummary) -> Result<(), Fr
 fn set_verdict(response: &mut Response, verdict: &Verdict) {
     let json = serde_json::to_string(verdict).expect("verdict serializes");
     response.headers_mut().insert(VERDICT_HEADER, HeaderValue::from_str(&json).expect("ascii json"));
+}
+
+/// Stages of a front-door request, as `pdbridge_stage_seconds{stage}`.
+fn record_stages(verdict: &Verdict, summary: &GenerateSummary) {
+    let ms = |key: &str| verdict.timings_ms.get(key).copied();
+    for (stage, value) in [
+        ("tokenize", ms("tokenize")),
+        ("bridge", ms("bridge")),
+        ("restore", summary.timings_ms.get("restore").copied()),
+        ("tail_prefill", summary.timings_ms.get("prefill").copied()),
+        ("first_token", summary.timings_ms.get("first_token").copied()),
+    ] {
+        if let Some(value) = value {
+            telemetry::record_stage(stage, value / 1e3);
+        }
+    }
 }
 
 fn record_outcome(verdict: &Verdict) {

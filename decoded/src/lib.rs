@@ -62,6 +62,7 @@ impl Daemon for Decoded {
 /// Runs decoded on already-bound listeners until `shutdown` resolves.
 pub async fn serve(listeners: Listeners, config: Config, shutdown: Shutdown) -> anyhow::Result<()> {
     telemetry::record_build_info(Decoded::NAME);
+    register_metrics();
     let stop = daemon::cancel_on(shutdown);
     let readiness = Readiness::new();
     let (store, report) = Store::open(&config.store.dir, config.store.budget_bytes)?;
@@ -72,7 +73,7 @@ pub async fn serve(listeners: Listeners, config: Config, shutdown: Shutdown) -> 
         quarantined = report.quarantined,
         "store opened"
     );
-    metrics::counter!("pdbridge_store_quarantined_total").increment(report.quarantined as u64);
+    metrics::counter!("pdbridge_store_quarantined_total").absolute(report.quarantined as u64);
     let store = Arc::new(store);
     let engine = match config.engine.clone() {
         Some(engine) => Some(engine::supervise(engine, config.store.block_tokens, readiness.clone(), stop.clone())),
@@ -111,4 +112,32 @@ pub async fn serve(listeners: Listeners, config: Config, shutdown: Shutdown) -> 
         tracing::warn!("front door still had requests at the drain deadline");
     }
     Ok(())
+}
+
+/// decoded's metrics, registered at zero (see `telemetry::register_common`).
+fn register_metrics() {
+    telemetry::register_common("mlx", "CacheStore");
+    metrics::describe_counter!("pdbridge_bridge_outcomes_total", "Front-door answers by verdict outcome and reason.");
+    metrics::describe_histogram!(
+        "pdbridge_ttft_seconds",
+        metrics::Unit::Seconds,
+        "Time to first token at the front door."
+    );
+    metrics::describe_gauge!("pdbridge_front_requests_in_flight", "Front-door requests in progress.");
+    metrics::gauge!("pdbridge_front_requests_in_flight").set(0.0);
+    metrics::describe_gauge!("pdbridge_push_streams_in_flight", "Push streams in progress.");
+    metrics::gauge!("pdbridge_push_streams_in_flight").set(0.0);
+    for (name, help) in [
+        ("pdbridge_store_evictions_total", "Blocks evicted to stay within the store budget."),
+        ("pdbridge_store_quarantined_total", "Block files quarantined at start (name and contents disagree)."),
+        ("pdbridge_store_blocks_committed_total", "Blocks committed from Push streams."),
+        ("pdbridge_push_bytes_total", "Bytes of blocks committed from Push streams."),
+    ] {
+        metrics::describe_counter!(name, help);
+        metrics::counter!(name).absolute(0);
+    }
+    metrics::describe_counter!("pdbridge_store_lookups_total", "Prefix lookups, by hit or miss.");
+    for outcome in ["hit", "miss"] {
+        metrics::counter!("pdbridge_store_lookups_total", "outcome" => outcome).absolute(0);
+    }
 }

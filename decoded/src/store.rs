@@ -217,7 +217,14 @@ impl Store {
             report.blocks += 1;
             report.bytes += bytes;
         }
+        store.publish_usage(&index);
         drop(index);
+        metrics::describe_gauge!(
+            "pdbridge_store_budget_bytes",
+            metrics::Unit::Bytes,
+            "Byte budget of the block store."
+        );
+        metrics::gauge!("pdbridge_store_budget_bytes").set(budget_bytes as f64);
         Ok((store, report))
     }
 
@@ -319,6 +326,7 @@ impl Store {
         let mut index = self.index.lock().unwrap();
         index.insert(key, bytes);
         let evicted = self.evict_over_budget(&mut index);
+        self.publish_usage(&index);
         drop(index);
         for key in evicted {
             let path = self.path_of(&key);
@@ -327,6 +335,12 @@ impl Store {
             }
         }
         Ok(bytes)
+    }
+
+    /// `pdbridge_store_blocks` and `pdbridge_store_bytes`.
+    fn publish_usage(&self, index: &Index) {
+        metrics::gauge!("pdbridge_store_blocks").set(index.entries.len() as f64);
+        metrics::gauge!("pdbridge_store_bytes").set(index.total_bytes as f64);
     }
 
     fn evict_over_budget(&self, index: &mut Index) -> Vec<BlockKey> {

@@ -61,6 +61,7 @@ impl Daemon for Prefilld {
 /// Runs prefilld on already-bound listeners until `shutdown` resolves.
 pub async fn serve(listeners: Listeners, config: Config, shutdown: Shutdown) -> anyhow::Result<()> {
     telemetry::record_build_info(Prefilld::NAME);
+    register_metrics();
     let stop = daemon::cancel_on(shutdown);
     let readiness = Readiness::new();
     let default_decoder = config.decoder.as_ref().map(|d| d.addr.clone());
@@ -131,5 +132,30 @@ async fn track_readiness(bridge: Arc<Bridge>, decoder: Option<String>, readiness
             _ = engine.changed() => {}
             _ = tokio::time::sleep(DECODER_RECHECK) => {}
         }
+    }
+}
+
+/// prefilld's metrics, registered at zero (see `telemetry::register_common`).
+fn register_metrics() {
+    telemetry::register_common("vllm", "Prefiller");
+    metrics::describe_counter!("pdbridge_prefill_requests_total", "Prefill requests by outcome and reason.");
+    metrics::describe_histogram!(
+        "pdbridge_prefill_duration_seconds",
+        metrics::Unit::Seconds,
+        "Prefill request duration, end to end."
+    );
+    metrics::describe_gauge!("pdbridge_prefill_in_flight", "Prefill requests in progress.");
+    metrics::gauge!("pdbridge_prefill_in_flight").set(0.0);
+    metrics::describe_gauge!(
+        "pdbridge_stream_payload_bytes_per_token",
+        metrics::Unit::Bytes,
+        "Cache bytes per token of the last bridged request."
+    );
+    for (name, help) in [
+        ("pdbridge_stream_bytes_total", "Payload bytes streamed to decoders."),
+        ("pdbridge_stream_blocks_total", "Blocks streamed to decoders."),
+    ] {
+        metrics::describe_counter!(name, help);
+        metrics::counter!(name).absolute(0);
     }
 }

@@ -12,6 +12,7 @@ use pdbridge_common::{
         outcome::Status as OutcomeStatus, prefill_event::Event, push_frame::Frame,
     },
     shard::{self, TensorId},
+    telemetry,
 };
 use tokio::{sync::mpsc, time::Instant};
 use tokio_stream::wrappers::ReceiverStream;
@@ -56,6 +57,7 @@ impl Bridge {
     /// Runs `job`, sending progress and then one outcome to `events`.
     pub async fn run(self: Arc<Self>, job: Job, events: mpsc::Sender<PrefillEvent>) {
         let started = Instant::now();
+        metrics::gauge!("pdbridge_prefill_in_flight").increment(1.0);
         let outcome = match self.bridge(&job, &events).await {
             Ok(outcome) => outcome,
             Err(failure) => {
@@ -82,6 +84,14 @@ impl Bridge {
         metrics::counter!("pdbridge_prefill_requests_total", "outcome" => label, "reason" => reason).increment(1);
         metrics::histogram!("pdbridge_prefill_duration_seconds").record(started.elapsed().as_secs_f64());
         tracing::info!(request_id = job.request_id, outcome = label, blocks = outcome.blocks_committed, bytes = outcome.bytes, elapsed = ?started.elapsed(), "prefill done");
+        for (stage, key) in
+            [("prefill", "prefill"), ("capture", "capture"), ("reconstruct", "reconstruct"), ("wire", "wire")]
+        {
+            if let Some(ms) = outcome.stage_ms.get(key) {
+                telemetry::record_stage(stage, ms / 1e3);
+            }
+        }
+        metrics::gauge!("pdbridge_prefill_in_flight").decrement(1.0);
         let _ = events.send(PrefillEvent { event: Some(Event::Outcome(outcome)) }).await;
     }
 
@@ -210,6 +220,10 @@ impl Bridge {
         stage_ms.insert("total".into(), prefill_started.elapsed().as_secs_f64() * 1e3);
         metrics::counter!("pdbridge_stream_bytes_total").increment(bytes_sent);
         metrics::counter!("pdbridge_stream_blocks_total").increment(sent_blocks as u64);
+        if sent_blocks > 0 {
+            let per_token = bytes_sent as f64 / (sent_blocks as f64 * b as f64);
+            metrics::gauge!("pdbridge_stream_payload_bytes_per_token").set(per_token);
+        }
 
         let committed = receipt.blocks_committed;
         let (status, reason) = match end {

@@ -31,6 +31,13 @@ impl PrefillerService {
 
 type EventStream = Pin<Box<dyn Stream<Item = Result<PrefillEvent, Status>> + Send>>;
 
+/// Counts a refusal in `pdbridge_grpc_errors_total` on its way out.
+fn refuse(status: Status) -> Status {
+    metrics::counter!("pdbridge_grpc_errors_total", "service" => "Prefiller", "code" => format!("{:?}", status.code()))
+        .increment(1);
+    status
+}
+
 /// A request id unique within this process and across restarts.
 fn new_request_id() -> String {
     static NEXT: AtomicU64 = AtomicU64::new(0);
@@ -45,17 +52,19 @@ impl Prefiller for PrefillerService {
     async fn prefill(&self, request: Request<PrefillRequest>) -> Result<Response<EventStream>, Status> {
         let bridge = match &self.bridge {
             Some(bridge) if bridge.vllm.is_ready() => bridge.clone(),
-            _ => return Err(Status::unavailable("prefill engine is not ready")),
+            _ => return Err(refuse(Status::unavailable("prefill engine is not ready"))),
         };
         let request = request.into_inner();
         if request.token_ids.is_empty() {
-            return Err(Status::invalid_argument("token_ids is empty"));
+            return Err(refuse(Status::invalid_argument("token_ids is empty")));
         }
         let decoder_addr = match (request.decoder_addr.is_empty(), &self.default_decoder) {
             (false, _) => request.decoder_addr,
             (true, Some(default)) => default.clone(),
             (true, None) => {
-                return Err(Status::invalid_argument("decoder_addr is empty and no default decoder is configured"));
+                return Err(refuse(Status::invalid_argument(
+                    "decoder_addr is empty and no default decoder is configured",
+                )));
             }
         };
         let request_id = if request.request_id.is_empty() { new_request_id() } else { request.request_id };
