@@ -67,6 +67,7 @@ pub fn router(engine: Option<Engine>, store: Arc<Store>, config: FrontConfig, ad
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
+        .route("/pd/v1/tokenize", post(tokenize))
         .with_state(state)
 }
 
@@ -155,6 +156,20 @@ async fn models(State(front): State<Front>) -> Json<Value> {
     Json(
         json!({"object": "list", "data": [{"id": front.config.model_name, "object": "model", "owned_by": "pd-bridge"}]}),
     )
+}
+
+/// The decoder's token ids for a chat or a prompt, for pre-warm clients
+/// (`pdbridge warm`) that must bridge exactly what a later request will hit.
+async fn tokenize(State(front): State<Front>, Json(body): Json<Value>) -> Result<Json<Value>, FrontError> {
+    let engine = front.engine.as_ref().ok_or(FrontError::EngineUnavailable)?;
+    let input = match (body.get("messages").filter(|m| m.is_array()), body.get("prompt").and_then(Value::as_str)) {
+        (Some(messages), None) => TokenizeInput::Chat { messages, add_generation_prompt: true },
+        (None, Some(prompt)) => TokenizeInput::Text { prompt },
+        _ => return Err(FrontError::BadRequest("give either `messages` (an array) or `prompt` (a string)".into())),
+    };
+    let tokens = engine.tokenize(input).await?;
+    let block_tokens = engine.info()?.spec.block_tokens;
+    Ok(Json(json!({"tokens": tokens, "block_tokens": block_tokens})))
 }
 
 async fn chat(State(front): State<Front>, headers: HeaderMap, Json(body): Json<Value>) -> Result<Response, FrontError> {

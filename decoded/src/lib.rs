@@ -88,6 +88,7 @@ pub async fn serve(listeners: Listeners, config: Config, shutdown: Shutdown) -> 
         format!("http://{}", std::net::SocketAddr::new(ip, grpc_addr.port()))
     });
     let front = front::router(engine.clone(), store.clone(), config.front.clone(), advertise);
+    let store_for_admin = store.clone();
     let service = CacheStoreService::new(engine, store, config.store.max_open_blocks);
     let cache_store = CacheStoreServer::new(service)
         .max_decoding_message_size(config.server.http2.max_message_bytes)
@@ -104,7 +105,7 @@ pub async fn serve(listeners: Listeners, config: Config, shutdown: Shutdown) -> 
         grpc: listeners.grpc,
         admin: listeners.admin,
         routes: tonic::service::Routes::new(cache_store),
-        admin_routes: axum::Router::new(),
+        admin_routes: axum::Router::new().route("/store", axum::routing::get(store_status)).with_state(store_for_admin),
     };
     daemon::serve_rpc(rpc, &config.server, &readiness, SERVICES, stop).await?;
     // The front door drains within the same deadline the gRPC side had.
@@ -112,6 +113,24 @@ pub async fn serve(listeners: Listeners, config: Config, shutdown: Shutdown) -> 
         tracing::warn!("front door still had requests at the drain deadline");
     }
     Ok(())
+}
+
+/// `GET /store` on the admin listener: usage, budget, writability, free space.
+async fn store_status(axum::extract::State(store): axum::extract::State<Arc<Store>>) -> axum::Json<serde_json::Value> {
+    let (blocks, bytes) = store.usage();
+    let (writable, free_bytes) = tokio::task::spawn_blocking({
+        let store = store.clone();
+        move || store.probe()
+    })
+    .await
+    .unwrap_or((false, None));
+    axum::Json(serde_json::json!({
+        "blocks": blocks,
+        "bytes": bytes,
+        "budget_bytes": store.budget_bytes(),
+        "writable": writable,
+        "free_bytes": free_bytes,
+    }))
 }
 
 /// decoded's metrics, registered at zero (see `telemetry::register_common`).

@@ -239,6 +239,14 @@ impl Store {
         fs::rename(path, &dest).map_err(io_err("quarantine", path))
     }
 
+    /// Whether a file can be created in the store right now, and the bytes
+    /// free on its file system (for health checks such as `pdbridge doctor`).
+    pub fn probe(&self) -> (bool, Option<u64>) {
+        let probe = self.root.join("tmp").join(format!("probe.{}", std::process::id()));
+        let writable = fs::write(&probe, b"probe").and_then(|_| fs::remove_file(&probe)).is_ok();
+        (writable, free_bytes(&self.root))
+    }
+
     pub fn budget_bytes(&self) -> u64 {
         self.budget_bytes
     }
@@ -355,6 +363,21 @@ impl Store {
         }
         evicted
     }
+}
+
+/// Bytes available to unprivileged users on the file system holding `path`.
+fn free_bytes(path: &Path) -> Option<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let c_path = std::ffi::CString::new(path.as_os_str().as_bytes()).ok()?;
+    let mut stat = std::mem::MaybeUninit::<libc::statvfs>::uninit();
+    // SAFETY: a valid NUL-terminated path and a pointer to writable statvfs storage.
+    if unsafe { libc::statvfs(c_path.as_ptr(), stat.as_mut_ptr()) } != 0 {
+        return None;
+    }
+    // SAFETY: statvfs returned 0, so it filled the struct.
+    let stat = unsafe { stat.assume_init() };
+    #[allow(clippy::unnecessary_cast)] // the field types differ between Linux and macOS
+    Some(stat.f_bavail as u64 * stat.f_frsize as u64)
 }
 
 /// Blocks held for a reader; see [`Store::lease`].

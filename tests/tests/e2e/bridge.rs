@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use pdbridge_tests::{Daemon, Engines, Scratch, license_text};
+use pdbridge_tests::{Daemon, Engines, Scratch, binary, license_text, workspace_root};
 use serde_json::{Value, json};
 
 /// Small blocks keep the prompts (and the decoder's slow CPU prefill) short.
@@ -98,6 +98,39 @@ async fn bridged_answers_on_real_engines() {
     assert_eq!(native.cached_tokens(), 0, "a native answer restores nothing");
     assert_eq!(native.text(), bridged.text(), "bridged and native greedy answers differ");
 
+    // The Grafana dashboard only queries metrics the daemons really publish.
+    dashboard_metrics_exist(&decoded, &prefilld).await;
+
+    // `pdbridge doctor` passes on this deployment.
+    let doctor_args = |decoded: &Daemon, prefilld: &Daemon| {
+        vec![
+            "doctor".to_owned(),
+            format!("--decoded=http://{}", decoded.grpc),
+            format!("--decoded-admin=http://{}", decoded.admin),
+            format!("--prefilld=http://{}", prefilld.grpc),
+            format!("--prefilld-admin=http://{}", prefilld.admin),
+        ]
+    };
+    let (status, out) = run_cli(&doctor_args(&decoded, &prefilld)).await;
+    assert!(status.success(), "doctor failed:\n{out}");
+    assert!(out.contains("PASS  test bridge") && out.contains("all checks passed"), "{out}");
+
+    // `pdbridge warm` bridges a document; a chat about it then finds it cached.
+    let document = paragraphs[8..11].join("\n\n");
+    let doc_file = scratch.0.join("doc.txt");
+    std::fs::write(&doc_file, &document).unwrap();
+    let (status, out) = run_cli(&[
+        "warm".to_owned(),
+        format!("--file={}", doc_file.display()),
+        format!("--front=http://{}", decoded.front.unwrap()),
+        format!("--prefilld=http://{}", prefilld.grpc),
+        format!("--decoder-addr=http://{}", decoded.grpc),
+    ])
+    .await;
+    assert!(status.success() && out.contains("warm: bridged"), "warm failed:\n{out}");
+    let warmed = chat(&decoded, &user(&document), "auto").await;
+    assert_eq!(warmed.verdict["outcome"], "cached", "{}", warmed.verdict);
+
     // 3. Extending the conversation bridges only the new blocks.
     let extended = json!([
         {"role": "user", "content": first_prompt},
@@ -129,6 +162,9 @@ async fn bridged_answers_on_real_engines() {
     // 6. With prefilld gone: native with the reason, or a loud failure when the bridge is required.
     prefilld.terminate();
     assert_eq!(prefilld.wait(Duration::from_secs(120)).await.code(), Some(0));
+    let (status, out) = run_cli(&doctor_args(&decoded, &prefilld)).await;
+    assert!(!status.success(), "doctor must fail with prefilld down:\n{out}");
+    assert!(out.contains("FAIL  prefilld reachable"), "{out}");
     let fresh = user(&format!("{}\n\nSummarize.", paragraphs[6..8].join("\n\n")));
     let required = chat(&decoded, &fresh, "bridge").await;
     assert_eq!(required.status, 502, "{:?}", required.body);
@@ -166,4 +202,68 @@ async fn bridged_answers_on_real_engines() {
     );
     decoded.terminate();
     assert_eq!(decoded.wait(Duration::from_secs(60)).await.code(), Some(0));
+}
+
+/// Runs the `pdbridge` CLI; returns its status and stdout + stderr.
+async fn run_cli(args: &[String]) -> (std::process::ExitStatus, String) {
+    let output = tokio::process::Command::new(binary("pdbridge")).args(args).output().await.expect("run pdbridge");
+    let text = format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
+    (output.status, text)
+}
+
+/// Every `pdbridge_*` name in every dashboard query appears in a scrape of
+/// the two daemons, so no panel can go silently blank.
+async fn dashboard_metrics_exist(decoded: &Daemon, prefilld: &Daemon) {
+    let mut scrape = String::new();
+    for daemon in [decoded, prefilld] {
+        scrape += &reqwest::get(daemon.admin_url("/metrics")).await.unwrap().text().await.unwrap();
+    }
+    let published: std::collections::BTreeSet<&str> =
+        scrape.lines().filter(|l| !l.starts_with('#')).filter_map(|l| l.split(['{', ' ']).next()).collect();
+    let dashboards = workspace_root().join("deploy/grafana");
+    let mut checked = 0;
+    for entry in std::fs::read_dir(&dashboards).expect("deploy/grafana exists") {
+        let path = entry.unwrap().path();
+        if path.extension().is_none_or(|e| e != "json") {
+            continue;
+        }
+        let dashboard: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        let mut exprs = Vec::new();
+        collect_exprs(&dashboard, &mut exprs);
+        assert!(!exprs.is_empty(), "{} has no queries", path.display());
+        for expr in exprs {
+            for name in metric_names(&expr) {
+                assert!(published.contains(name.as_str()), "{}: `{name}` (in `{expr}`) is not in the scrape", path.display());
+                checked += 1;
+            }
+        }
+    }
+    assert!(checked > 0, "no dashboard metric names found");
+}
+
+fn collect_exprs(value: &Value, out: &mut Vec<String>) {
+    match value {
+        Value::Object(map) => {
+            for (key, v) in map {
+                match (key.as_str(), v) {
+                    ("expr", Value::String(expr)) => out.push(expr.clone()),
+                    _ => collect_exprs(v, out),
+                }
+            }
+        }
+        Value::Array(items) => items.iter().for_each(|v| collect_exprs(v, out)),
+        _ => {}
+    }
+}
+
+fn metric_names(expr: &str) -> Vec<String> {
+    let mut names = Vec::new();
+    let mut rest = expr;
+    while let Some(at) = rest.find("pdbridge_") {
+        let tail = &rest[at..];
+        let end = tail.find(|c: char| !(c.is_ascii_alphanumeric() || c == '_')).unwrap_or(tail.len());
+        names.push(tail[..end].to_owned());
+        rest = &tail[end..];
+    }
+    names
 }
