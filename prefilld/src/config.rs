@@ -122,11 +122,19 @@ pub struct StreamConfig {
     /// Longest a prefill may take, per 1,000 prompt tokens (plus a minute).
     #[serde(with = "humantime_serde")]
     pub deadline_per_1k_tokens: Duration,
+    /// Emulated link rate for shards sent to decoders, in Gbit/s (e.g. 10 for
+    /// 10 GbE on loopback); 0 sends as fast as the link allows.
+    pub link_gbps: f64,
 }
 
 impl Default for StreamConfig {
     fn default() -> Self {
-        StreamConfig { max_shard_bytes: 4 << 20, queue_frames: 64, deadline_per_1k_tokens: Duration::from_secs(60) }
+        StreamConfig {
+            max_shard_bytes: 4 << 20,
+            queue_frames: 64,
+            deadline_per_1k_tokens: Duration::from_secs(60),
+            link_gbps: 0.0,
+        }
     }
 }
 
@@ -134,6 +142,9 @@ impl Validate for StreamConfig {
     fn validate(&self) -> Result<(), ConfigError> {
         if !(4096..=(32 << 20)).contains(&self.max_shard_bytes) {
             return Err(ConfigError::invalid("stream.max_shard_bytes", "must be between 4 KiB and 32 MiB"));
+        }
+        if !(self.link_gbps >= 0.0 && self.link_gbps.is_finite()) {
+            return Err(ConfigError::invalid("stream.link_gbps", "must be a non-negative number"));
         }
         if self.queue_frames == 0 {
             return Err(ConfigError::invalid("stream.queue_frames", "must be at least 1"));

@@ -27,12 +27,40 @@ use crate::{
 /// Longest wait for the plugin's end-of-prefill event once vLLM has answered.
 const END_EVENT_GRACE: Duration = Duration::from_secs(30);
 
+/// Paces sends to an emulated link rate: each send waits until the link
+/// would have finished the bytes before it. Shared by every stream, like a
+/// real link.
+pub struct Link {
+    bytes_per_second: f64,
+    free_at: tokio::sync::Mutex<Instant>,
+}
+
+impl Link {
+    /// None when `gbps` is 0 (no emulation).
+    pub fn new(gbps: f64) -> Option<Link> {
+        (gbps > 0.0)
+            .then(|| Link { bytes_per_second: gbps * 1e9 / 8.0, free_at: tokio::sync::Mutex::new(Instant::now()) })
+    }
+
+    async fn send(&self, bytes: usize) {
+        let done = {
+            let mut free_at = self.free_at.lock().await;
+            let start = (*free_at).max(Instant::now());
+            *free_at = start + Duration::from_secs_f64(bytes as f64 / self.bytes_per_second);
+            *free_at
+        };
+        tokio::time::sleep_until(done).await;
+    }
+}
+
 /// Everything a prefill needs, shared by all requests.
 pub struct Bridge {
     pub vllm: Vllm,
     pub decoders: Decoders,
     pub router: Arc<Router>,
     pub stream: StreamConfig,
+    /// The emulated link, when `stream.link_gbps` is set.
+    pub link: Option<Link>,
 }
 
 /// A validated Prefill request.
@@ -282,6 +310,9 @@ impl Bridge {
             let data = payload.slice(t.offset..t.offset + t.nbytes);
             for shard in shard::split(&id, data, self.stream.max_shard_bytes) {
                 bytes += shard.payload.len() as u64;
+                if let Some(link) = &self.link {
+                    link.send(shard.payload.len()).await;
+                }
                 send(frames, Frame::Shard(shard)).await?;
             }
         }

@@ -21,14 +21,18 @@ pub fn workspace_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("tests/ sits in the workspace").to_path_buf()
 }
 
-/// Path of a daemon binary built beside the test executable. The README's test
-/// command builds the binaries first (`cargo build --bins`).
+/// Path of a daemon binary built beside the running executable: a test in
+/// `target/<profile>/deps/` or a bench binary in `target/<profile>/`. The
+/// README's test command builds the binaries first (`cargo build --bins`).
 pub fn binary(name: &str) -> PathBuf {
-    let exe = std::env::current_exe().expect("test executable path");
-    let dir = exe.parent().and_then(Path::parent).expect("target/<profile>/deps/<test>");
-    let path = dir.join(name);
-    assert!(path.is_file(), "{} is not built; run `cargo build --workspace --bins` first", path.display());
-    path
+    let exe = std::env::current_exe().expect("executable path");
+    let dir = exe.parent().expect("executable dir");
+    [dir.join(name), dir.parent().map(|d| d.join(name)).unwrap_or_default()]
+        .into_iter()
+        .find(|p| p.is_file())
+        .unwrap_or_else(|| {
+            panic!("{name} is not built beside {}; run `cargo build --workspace --bins` first", exe.display())
+        })
 }
 
 /// A scratch directory removed on drop.

@@ -233,7 +233,11 @@ async fn dashboard_metrics_exist(decoded: &Daemon, prefilld: &Daemon) {
         assert!(!exprs.is_empty(), "{} has no queries", path.display());
         for expr in exprs {
             for name in metric_names(&expr) {
-                assert!(published.contains(name.as_str()), "{}: `{name}` (in `{expr}`) is not in the scrape", path.display());
+                assert!(
+                    published.contains(name.as_str()),
+                    "{}: `{name}` (in `{expr}`) is not in the scrape",
+                    path.display()
+                );
                 checked += 1;
             }
         }
