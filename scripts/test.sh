@@ -5,6 +5,15 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 scripts/setup-engines.sh
+# deploy/check.sh verifies the service units with systemd-analyze.
+if ! command -v systemd-analyze >/dev/null; then
+  if [ "$(id -u)" = 0 ]; then
+    apt-get install -y -qq systemd >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq systemd; }
+  else
+    echo "test.sh: systemd-analyze is missing; install Debian's systemd package" >&2
+    exit 1
+  fi
+fi
 .venv/bin/python scripts/prepare-model.py
 cargo build --workspace --bins --locked
 cargo nextest run --workspace --locked --no-fail-fast "$@"

@@ -314,11 +314,16 @@ fn to_spec(reply: InfoReply) -> Result<EngineInfo, EngineError> {
 
 /// Starts the adapter and keeps it running until `stop`: waits for its ready
 /// line, loads its spec, flips `readiness`, and restarts it (same arguments)
-/// whenever it exits.
-pub fn supervise(config: EngineConfig, block_tokens: u32, readiness: Readiness, stop: CancellationToken) -> Engine {
+/// whenever it exits. The returned task ends once `stop` has stopped the adapter.
+pub fn supervise(
+    config: EngineConfig,
+    block_tokens: u32,
+    readiness: Readiness,
+    stop: CancellationToken,
+) -> (Engine, tokio::task::JoinHandle<()>) {
     let (info_tx, info_rx) = watch::channel(None);
     let engine = Engine { socket: config.socket.clone(), info: info_rx };
-    tokio::spawn(async move {
+    let task = tokio::spawn(async move {
         let on_down = || {
             readiness.set(false);
             info_tx.send_replace(None);
@@ -326,7 +331,7 @@ pub fn supervise(config: EngineConfig, block_tokens: u32, readiness: Readiness, 
         let run = || run_once(&config, block_tokens, &readiness, &info_tx, &stop);
         process::supervise(ENGINE, config.restart_backoff, stop.clone(), run, on_down).await;
     });
-    engine
+    (engine, task)
 }
 
 /// Engine label in metrics.

@@ -21,6 +21,7 @@ use std::sync::Arc;
 use service::CacheStoreService;
 use store::Store;
 use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
 
 pub use config::Config;
 
@@ -75,11 +76,17 @@ pub async fn serve(listeners: Listeners, config: Config, shutdown: Shutdown) -> 
     );
     metrics::counter!("pdbridge_store_quarantined_total").absolute(report.quarantined as u64);
     let store = Arc::new(store);
-    let engine = match config.engine.clone() {
-        Some(engine) => Some(engine::supervise(engine, config.store.block_tokens, readiness.clone(), stop.clone())),
+    // The engine outlives the drain: in-flight generations still need it.
+    let engine_stop = CancellationToken::new();
+    let (engine, engine_task) = match config.engine.clone() {
+        Some(engine) => {
+            let (engine, task) =
+                engine::supervise(engine, config.store.block_tokens, readiness.clone(), engine_stop.clone());
+            (Some(engine), Some(task))
+        }
         None => {
             tracing::warn!("no [engine] configured: decoded will never be ready");
-            None
+            (None, None)
         }
     };
     let grpc_addr = listeners.grpc.local_addr()?;
@@ -111,6 +118,10 @@ pub async fn serve(listeners: Listeners, config: Config, shutdown: Shutdown) -> 
     // The front door drains within the same deadline the gRPC side had.
     if tokio::time::timeout(config.server.drain_timeout, front_task).await.is_err() {
         tracing::warn!("front door still had requests at the drain deadline");
+    }
+    engine_stop.cancel();
+    if let Some(task) = engine_task {
+        let _ = task.await;
     }
     Ok(())
 }

@@ -136,19 +136,23 @@ impl Vllm {
 }
 
 /// Starts vLLM and keeps it running until `stop`, restarting it with the same
-/// parameters whenever it exits.
-pub fn supervise(config: EngineConfig, stop: CancellationToken) -> Result<Vllm, EngineError> {
+/// parameters whenever it exits. The returned task ends once `stop` has
+/// stopped vLLM.
+pub fn supervise(
+    config: EngineConfig,
+    stop: CancellationToken,
+) -> Result<(Vllm, tokio::task::JoinHandle<()>), EngineError> {
     let profile = ModelProfile::read(&config.model)?;
     let (url_tx, url_rx) = watch::channel(None);
     let vllm = Vllm { base_url: url_rx, http: reqwest::Client::new(), profile: profile.clone() };
-    tokio::spawn(async move {
+    let task = tokio::spawn(async move {
         let on_down = || {
             url_tx.send_replace(None);
         };
         let run = || run_once(&config, profile.num_layers, &url_tx, &stop);
         process::supervise(ENGINE, config.restart_backoff, stop.clone(), run, on_down).await;
     });
-    Ok(vllm)
+    Ok((vllm, task))
 }
 
 async fn run_once(

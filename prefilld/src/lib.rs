@@ -65,11 +65,14 @@ pub async fn serve(listeners: Listeners, config: Config, shutdown: Shutdown) -> 
     let stop = daemon::cancel_on(shutdown);
     let readiness = Readiness::new();
     let default_decoder = config.decoder.as_ref().map(|d| d.addr.clone());
+    // vLLM and the plugin socket outlive the drain: in-flight prefills need them.
+    let engine_stop = CancellationToken::new();
+    let mut engine_task = None;
     let bridge = match config.engine.clone() {
         Some(engine) => {
             let router = Router::new(engine.plugin_socket.clone());
             tokio::spawn({
-                let (router, stop) = (router.clone(), stop.clone());
+                let (router, stop) = (router.clone(), engine_stop.clone());
                 async move {
                     if let Err(e) = router.serve(stop).await {
                         tracing::error!(error = %e, "plugin socket failed");
@@ -77,7 +80,8 @@ pub async fn serve(listeners: Listeners, config: Config, shutdown: Shutdown) -> 
                 }
             });
             let bundle_dir = engine.bundle_dir.clone();
-            let vllm = engine::supervise(engine, stop.clone())?;
+            let (vllm, task) = engine::supervise(engine, engine_stop.clone())?;
+            engine_task = Some(task);
             let decoders = Decoders::new(vllm.profile.clone(), bundle_dir, config.server.http2.clone());
             let link = prefill::Link::new(config.stream.link_gbps);
             let bridge = Arc::new(Bridge { vllm, decoders, router, stream: config.stream.clone(), link });
@@ -104,6 +108,10 @@ pub async fn serve(listeners: Listeners, config: Config, shutdown: Shutdown) -> 
         admin_routes: axum::Router::new(),
     };
     daemon::serve_rpc(rpc, &config.server, &readiness, SERVICES, stop).await?;
+    engine_stop.cancel();
+    if let Some(task) = engine_task {
+        let _ = task.await;
+    }
     Ok(())
 }
 

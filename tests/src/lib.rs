@@ -90,6 +90,11 @@ impl Daemon {
     /// Starts `name` with `config` (TOML) and waits until it logs its
     /// listening addresses.
     pub async fn start(name: &str, config: &str) -> Daemon {
+        Self::start_with_env(name, config, &[]).await
+    }
+
+    /// [`Daemon::start`] with extra environment variables.
+    pub async fn start_with_env(name: &str, config: &str, env: &[(&str, &str)]) -> Daemon {
         let scratch = Scratch::new(name);
         let config_path = scratch.write("config.toml", config);
         let config_path = config_path.canonicalize().expect("scratch path");
@@ -99,6 +104,7 @@ impl Daemon {
             .arg("--log-format")
             .arg("json")
             .env("RUST_LOG", "info")
+            .envs(env.iter().copied())
             // Relative paths in a config (the store's default dir) land in scratch.
             .current_dir(&scratch.0)
             .stdin(Stdio::null())

@@ -3,4 +3,5 @@
 
 mod bridge;
 mod foundation;
+mod ops;
 mod push;

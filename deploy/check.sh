@@ -1,0 +1,530 @@
+#!/usr/bin/env bash
+# Validates the deployment files under deploy/ (for the test suite, and before shipping a change):
+#
+#   systemd/*.service  systemd-analyze verify on a copy whose ExecStart points at a stub binary
+#                      (verify needs an executable; the real path is checked separately), with
+#                      --recursive-errors=no so unknown directives and unparsable values FAIL
+#                      (plain verify only warns and exits 0); systemd-analyze security --offline
+#                      as a hardening regression guard; then the settings this project relies on
+#                      (Type=notify, user, timeouts vs the example configs, hardening, no reload).
+#   launchd/*.plist    parses as a property list; required keys with the right types and values;
+#                      no key launchd does not know (launchd silently ignores a misspelt key).
+#   grafana/*.json     valid JSON; importable shape; every panel has a target with an expr; only
+#                      the daemons' metric and label names; brackets and quotes balance.
+#   prometheus/*.yml   YAML (PyYAML if available, else a structural check): both jobs, ports,
+#                      metrics_path, role labels, interval; promtool check config if installed.
+#
+# Usage: deploy/check.sh            exit 0 when everything passes, 1 with FAIL lines otherwise.
+# Needs python3 and systemd-analyze (Debian: apt-get install -y systemd). Without systemd-analyze
+# it fails unless PDB_DEPLOY_CHECK_NO_SYSTEMD=1 (e.g. on macOS), which skips only that step.
+set -uo pipefail
+
+deploy=$(cd "$(dirname "$0")" && pwd)
+root=$(dirname "$deploy")
+py=${PYTHON:-python3}
+failures=0
+fail() { echo "FAIL: $*" >&2; failures=$((failures + 1)); }
+ok() { echo "ok:   $*"; }
+
+tmp=$(mktemp -d "${TMPDIR:-/tmp}/pdb-deploy-check.XXXXXX")
+trap 'rm -rf "$tmp"' EXIT
+
+command -v "$py" >/dev/null 2>&1 || { echo "FAIL: $py not found (set PYTHON=)" >&2; exit 1; }
+
+# --- systemd: what systemd itself says ------------------------------------------------------
+units=(prefilld decoded)
+if command -v systemd-analyze >/dev/null 2>&1; then
+  mkdir -p "$tmp/bin" "$tmp/units"
+  for d in "${units[@]}"; do
+    unit="pdbridge-$d.service"
+    src="$deploy/systemd/$unit"
+    [ -f "$src" ] || { fail "deploy/systemd/$unit: missing"; continue; }
+    # verify checks that ExecStart's binary exists and is executable; point it at a stub so the
+    # check does not depend on an install or a build. The real ExecStart is checked below.
+    printf '#!/bin/sh\nexit 0\n' > "$tmp/bin/$d" && chmod +x "$tmp/bin/$d"
+    sed -E "s#^ExecStart=/usr/local/bin/$d( |\$)#ExecStart=$tmp/bin/$d\\1#" "$src" > "$tmp/units/$unit"
+    if [ "$(grep -c "^ExecStart=$tmp/bin/$d" "$tmp/units/$unit")" != 1 ]; then
+      fail "deploy/systemd/$unit: expected exactly one ExecStart=/usr/local/bin/$d ..."
+      continue
+    fi
+    # Keep the unit's own name: verify derives the unit type and name from the file name.
+    if out=$(cd "$tmp/units" && systemd-analyze verify --man=no --recursive-errors=no "./$unit" 2>&1); then
+      status=0
+    else
+      status=$?
+    fi
+    # Any diagnostic about this unit (unknown key, bad value, missing binary) is a failure,
+    # whatever the exit status; lines about the host's other units are shown, not judged.
+    own=$(printf '%s\n' "$out" | grep -F "$unit" || true)
+    if [ "$status" -ne 0 ] || [ -n "$own" ]; then
+      fail "deploy/systemd/$unit: systemd-analyze verify (exit $status):"
+      printf '%s\n' "$out" | sed "s#$tmp/units/#deploy/systemd/#; s#^#      #" >&2
+    else
+      ok "$unit: systemd-analyze verify is clean"
+      [ -n "$out" ] && printf '%s\n' "$out" | sed 's/^/      note: /'
+    fi
+    # Hardening regression guard: exposure is 4.1 ("OK") today; 5.0 leaves room for a newer
+    # systemd that scores more settings, but catches a dropped Protect*/capability line.
+    if systemd-analyze security --help 2>/dev/null | grep -q -- '--offline'; then
+      sec=$(cd "$tmp/units" && systemd-analyze security --offline=true --threshold=50 --no-pager "./$unit" 2>&1)
+      sec_status=$?
+      level=$(printf '%s\n' "$sec" | grep -o 'Overall exposure level for.*' | sed 's/.*: //; s/ [^ ]*$//')
+      if [ "$sec_status" -ne 0 ]; then
+        fail "deploy/systemd/$unit: systemd-analyze security: exposure ${level:-?} is above 5.0"
+      else
+        ok "$unit: systemd-analyze security exposure ${level:-?} (limit 5.0)"
+      fi
+    else
+      echo "note: systemd-analyze security --offline unavailable (systemd < 250); exposure not checked"
+    fi
+  done
+elif [ "${PDB_DEPLOY_CHECK_NO_SYSTEMD:-}" = 1 ]; then
+  echo "SKIP: systemd-analyze not found; unit files get the static checks only (PDB_DEPLOY_CHECK_NO_SYSTEMD=1)"
+else
+  fail "systemd-analyze not found: install it (Debian: apt-get install -y systemd) or set PDB_DEPLOY_CHECK_NO_SYSTEMD=1"
+fi
+
+# --- everything else, in Python -------------------------------------------------------------
+# PyYAML for prometheus.yml: the system python, else the repo's engine venv, else a structural check.
+yaml_py=""
+for cand in "$py" "$root/.venv/bin/python"; do
+  if [ -x "$(command -v "$cand" 2>/dev/null)" ] && "$cand" -c 'import yaml' >/dev/null 2>&1; then
+    yaml_py=$cand
+    break
+  fi
+done
+
+"$py" - "$root" "$yaml_py" <<'PY'
+import json, os, re, subprocess, sys, shutil, plistlib
+
+root, yaml_py = sys.argv[1], sys.argv[2]
+deploy = os.path.join(root, "deploy")
+failures = 0
+
+def fail(msg):
+    global failures
+    failures += 1
+    print(f"FAIL: {msg}", file=sys.stderr)
+
+def ok(msg):
+    print(f"ok:   {msg}")
+
+def rel(p):
+    return os.path.relpath(p, root)
+
+# --- durations ------------------------------------------------------------------------------
+SYSTEMD_UNITS = {"us": 1e-6, "usec": 1e-6, "ms": 1e-3, "msec": 1e-3, "s": 1, "sec": 1, "second": 1,
+                 "seconds": 1, "m": 60, "min": 60, "minute": 60, "minutes": 60, "h": 3600, "hr": 3600,
+                 "hour": 3600, "hours": 3600, "d": 86400, "day": 86400, "days": 86400}
+
+def seconds(text):
+    """A systemd time span ("900", "60s", "1min 30s") or a config duration ("30s", "5m")."""
+    text = text.strip().strip('"')
+    if re.fullmatch(r"\d+(\.\d+)?", text):
+        return float(text)
+    total, pos = 0.0, 0
+    for m in re.finditer(r"\s*(\d+(?:\.\d+)?)\s*([a-z]+)", text):
+        if m.start() != pos or m.group(2) not in SYSTEMD_UNITS:
+            raise ValueError(f"cannot parse duration {text!r}")
+        total += float(m.group(1)) * SYSTEMD_UNITS[m.group(2)]
+        pos = m.end()
+    if pos != len(text) or pos == 0:
+        raise ValueError(f"cannot parse duration {text!r}")
+    return total
+
+def example_value(daemon, section, key):
+    """A duration from deploy/examples/<daemon>.toml (what the unit's timeouts must exceed)."""
+    path = os.path.join(deploy, "examples", f"{daemon}.toml")
+    try:
+        import tomllib
+        with open(path, "rb") as f:
+            node = tomllib.load(f)
+        for part in section.split("."):
+            node = node[part]
+        return seconds(node[key])
+    except ImportError:
+        current = None
+        for line in open(path):
+            line = line.split("#", 1)[0].strip()
+            if line.startswith("["):
+                current = line.strip("[]")
+            elif current == section and re.match(rf"{key}\s*=", line):
+                return seconds(line.split("=", 1)[1])
+        raise KeyError(f"{section}.{key} not in {path}")
+
+# --- systemd units: the settings pd-bridge relies on ----------------------------------------
+def parse_unit(path):
+    sections, current = {}, None
+    for n, raw in enumerate(open(path), 1):
+        line = raw.strip()
+        if not line or line[0] in "#;":
+            continue
+        if line.startswith("[") and line.endswith("]"):
+            current = sections.setdefault(line[1:-1], {})
+            continue
+        if "=" not in line or current is None:
+            raise ValueError(f"{rel(path)}:{n}: not a key=value line: {line!r}")
+        k, v = line.split("=", 1)
+        current.setdefault(k.strip(), []).append(v.strip())
+    return sections
+
+REQUIRED = {
+    "Service": {
+        "Type": "notify", "NotifyAccess": "main", "WorkingDirectory": "/var/lib/pd-bridge",
+        "User": "pdbridge", "Group": "pdbridge", "Restart": "on-failure", "KillMode": "mixed",
+        "NoNewPrivileges": "yes", "ProtectSystem": "strict", "ProtectHome": "yes", "PrivateTmp": "yes",
+        "ProtectKernelTunables": "yes", "ProtectControlGroups": "yes", "RestrictSUIDSGID": "yes",
+        "LockPersonality": "yes", "StateDirectory": "pd-bridge", "CacheDirectory": "pd-bridge",
+        "LimitNOFILE": "65536", "RestartPreventExitStatus": "2",
+    },
+    "Install": {"WantedBy": "multi-user.target"},
+}
+# Why each is forbidden: see the units' "Not set on purpose" comments.
+FORBIDDEN = {
+    "ExecReload": "config reload is not supported",
+    "MemoryDenyWriteExecute": "Python/torch/MLX JIT need W+X memory",
+    "PrivateDevices": "hides /dev/nvidia*", "DevicePolicy": "hides /dev/nvidia*",
+    "DeviceAllow": "turns on a device allow-list that hides /dev/nvidia*",
+    "ProtectClock": "implies DeviceAllow=char-rtc, which hides /dev/nvidia*",
+    "RemoveIPC": "would delete the other daemon's POSIX shm when both share the pdbridge user",
+}
+ENV = {"HF_HUB_OFFLINE": "1", "HOME": "/var/lib/pd-bridge", "XDG_CACHE_HOME": "/var/cache/pd-bridge"}
+
+for daemon in ("prefilld", "decoded"):
+    path = os.path.join(deploy, "systemd", f"pdbridge-{daemon}.service")
+    if not os.path.exists(path):
+        fail(f"{rel(path)}: missing")
+        continue
+    try:
+        unit = parse_unit(path)
+    except ValueError as e:
+        fail(str(e))
+        continue
+    problems = []
+    svc = unit.get("Service", {})
+    if not unit.get("Unit", {}).get("Description"):
+        problems.append("[Unit] Description= is missing")
+    for section, keys in REQUIRED.items():
+        have = unit.get(section, {})
+        for k, want in keys.items():
+            if have.get(k, [None])[-1] != want:
+                problems.append(f"[{section}] {k}= should be {want!r}, is {have.get(k, [None])[-1]!r}")
+    want_exec = f"/usr/local/bin/{daemon} --config /etc/pd-bridge/{daemon}.toml"
+    if svc.get("ExecStart") != [want_exec]:
+        problems.append(f"ExecStart= should be exactly {want_exec!r}, is {svc.get('ExecStart')!r}")
+    for k, why in FORBIDDEN.items():
+        if any(k in s for s in unit.values()):
+            problems.append(f"{k}= must not be set: {why}")
+    rw = " ".join(svc.get("ReadWritePaths", [])).split()
+    for p in ("/var/lib/pd-bridge", "/var/cache/pd-bridge"):
+        if p not in rw:
+            problems.append(f"ReadWritePaths= lacks {p}")
+    env = dict(kv.split("=", 1) for e in svc.get("Environment", []) for kv in e.split() if "=" in kv)
+    for k, v in ENV.items():
+        if env.get(k) != v:
+            problems.append(f"Environment={k}={v} missing (have {env.get(k)!r})")
+    if "RestartSec" not in svc:
+        problems.append("RestartSec= missing")
+    try:
+        drain = example_value(daemon, "server", "drain_timeout")
+        start = example_value(daemon, "engine", "start_timeout")
+        stop_s = seconds(svc.get("TimeoutStopSec", ["0"])[-1])
+        start_s = seconds(svc.get("TimeoutStartSec", ["0"])[-1])
+        if not stop_s > drain:
+            problems.append(f"TimeoutStopSec= ({stop_s:g}s) must exceed server.drain_timeout ({drain:g}s) "
+                            f"in deploy/examples/{daemon}.toml, or systemd SIGKILLs a drain")
+        if not start_s > start:
+            problems.append(f"TimeoutStartSec= ({start_s:g}s) must exceed engine.start_timeout ({start:g}s) "
+                            f"in deploy/examples/{daemon}.toml")
+        if daemon == "prefilld" and start_s < 600:
+            problems.append(f"TimeoutStartSec= ({start_s:g}s) is short for a vLLM cold start")
+    except (ValueError, KeyError, OSError) as e:
+        problems.append(f"timeouts: {e}")
+    if problems:
+        for p in problems:
+            fail(f"{rel(path)}: {p}")
+    else:
+        ok(f"{rel(path)}: notify/user/restart/timeouts/hardening/environment as required")
+
+# --- launchd plist --------------------------------------------------------------------------
+LAUNCHD_KEYS = {
+    "Label", "Disabled", "UserName", "GroupName", "inetdCompatibility", "LimitLoadToHosts",
+    "LimitLoadFromHosts", "LimitLoadToSessionType", "LimitLoadToHardware", "LimitLoadFromHardware",
+    "Program", "ProgramArguments", "EnableGlobbing", "EnableTransactions", "EnablePressuredExit",
+    "OnDemand", "ServiceIPC", "KeepAlive", "RunAtLoad", "RootDirectory", "WorkingDirectory",
+    "EnvironmentVariables", "Umask", "TimeOut", "ExitTimeOut", "ThrottleInterval", "InitGroups",
+    "WatchPaths", "QueueDirectories", "StartOnMount", "StartInterval", "StartCalendarInterval",
+    "StandardInPath", "StandardOutPath", "StandardErrorPath", "Debug", "WaitForDebugger",
+    "SoftResourceLimits", "HardResourceLimits", "Nice", "ProcessType", "AbandonProcessGroup",
+    "LowPriorityIO", "LowPriorityBackgroundIO", "MaterializeDatalessFiles", "LaunchOnlyOnce",
+    "MachServices", "Sockets", "LaunchEvents", "SessionCreate", "AssociatedBundleIdentifiers",
+}
+KEEPALIVE_KEYS = {"SuccessfulExit", "NetworkState", "PathState", "OtherJobEnabled", "Crashed",
+                  "AfterInitialDemand"}
+RLIMIT_KEYS = {"Core", "CPU", "Data", "FileSize", "MemoryLock", "NumberOfFiles", "NumberOfProcesses",
+               "ResidentSetSize", "Stack"}
+LOG_DIR = "/usr/local/var/log/pd-bridge/"
+
+path = os.path.join(deploy, "launchd", "com.pd-bridge.decoded.plist")
+try:
+    with open(path, "rb") as f:
+        pl = plistlib.load(f, fmt=plistlib.FMT_XML)
+except Exception as e:  # missing file, bad XML, not a plist
+    fail(f"{rel(path)}: not a valid XML property list: {e}")
+    pl = None
+if pl is not None:
+    problems = []
+    def need(key, check, what):
+        if key not in pl:
+            problems.append(f"{key} missing")
+        elif not check(pl[key]):
+            problems.append(f"{key} should be {what}, is {pl[key]!r}")
+    if not isinstance(pl, dict):
+        problems.append("top level is not a dict")
+        pl = {}
+    unknown = sorted(set(pl) - LAUNCHD_KEYS)
+    if unknown:
+        problems.append(f"keys launchd does not know (ignored silently): {unknown}")
+    need("Label", lambda v: v == "com.pd-bridge.decoded", "'com.pd-bridge.decoded'")
+    need("ProgramArguments",
+         lambda v: v == ["/usr/local/bin/decoded", "--config", "/usr/local/etc/pd-bridge/decoded.toml"],
+         "['/usr/local/bin/decoded', '--config', '/usr/local/etc/pd-bridge/decoded.toml']")
+    need("WorkingDirectory", lambda v: v == "/usr/local/var/pd-bridge", "'/usr/local/var/pd-bridge'")
+    need("KeepAlive", lambda v: v == {"SuccessfulExit": False},
+         "{SuccessfulExit: false} (restart on crash, not after a clean exit)")
+    need("RunAtLoad", lambda v: v is True, "true")
+    need("ProcessType", lambda v: v in ("Interactive", "Standard"), "'Interactive' or 'Standard'")
+    for k in ("StandardOutPath", "StandardErrorPath"):
+        need(k, lambda v: isinstance(v, str) and v.startswith(LOG_DIR) and len(v) > len(LOG_DIR),
+             f"a file under {LOG_DIR}")
+    try:
+        drain = example_value("decoded", "server", "drain_timeout")
+        need("ExitTimeOut", lambda v: type(v) is int and v > drain,
+             f"an integer above server.drain_timeout ({drain:g}s)")
+    except (ValueError, KeyError, OSError) as e:
+        problems.append(f"drain_timeout: {e}")
+    for k in ("Umask", "ThrottleInterval", "Nice", "TimeOut"):
+        if k in pl and type(pl[k]) is not int:
+            problems.append(f"{k} must be an integer")
+    for k in ("UserName", "GroupName"):
+        if k in pl and not isinstance(pl[k], str):
+            problems.append(f"{k} must be a string")
+    if isinstance(pl.get("KeepAlive"), dict) and set(pl["KeepAlive"]) - KEEPALIVE_KEYS:
+        problems.append(f"KeepAlive: unknown keys {sorted(set(pl['KeepAlive']) - KEEPALIVE_KEYS)}")
+    for k in ("SoftResourceLimits", "HardResourceLimits"):
+        if k in pl:
+            if not isinstance(pl[k], dict) or set(pl[k]) - RLIMIT_KEYS or \
+                    any(type(v) is not int for v in pl[k].values()):
+                problems.append(f"{k}: only integer values of {sorted(RLIMIT_KEYS)}")
+    env = pl.get("EnvironmentVariables")
+    if not isinstance(env, dict):
+        problems.append("EnvironmentVariables missing or not a dict")
+    else:
+        if any(not isinstance(v, str) for v in env.values()):
+            problems.append("EnvironmentVariables: every value must be a string")
+        if env.get("HF_HUB_OFFLINE") != "1":
+            problems.append("EnvironmentVariables: HF_HUB_OFFLINE must be '1'")
+        if not env.get("RUST_LOG"):
+            problems.append("EnvironmentVariables: RUST_LOG missing")
+        if "/usr/local/bin" not in str(env.get("PATH", "")).split(":"):
+            problems.append("EnvironmentVariables: PATH must include /usr/local/bin")
+    if shutil.which("plutil"):  # macOS
+        r = subprocess.run(["plutil", "-lint", path], capture_output=True, text=True)
+        if r.returncode != 0:
+            problems.append(f"plutil -lint: {r.stdout.strip()} {r.stderr.strip()}")
+    if problems:
+        for p in problems:
+            fail(f"{rel(path)}: {p}")
+    else:
+        ok(f"{rel(path)}: property list with the required keys, types and values")
+
+# --- Grafana dashboard ----------------------------------------------------------------------
+HISTOGRAMS = {"pdbridge_ttft_seconds", "pdbridge_stage_seconds", "pdbridge_prefill_duration_seconds"}
+METRICS = {
+    "pdbridge_bridge_outcomes_total", "pdbridge_stream_bytes_total", "pdbridge_push_bytes_total",
+    "pdbridge_stream_blocks_total", "pdbridge_store_blocks_committed_total",
+    "pdbridge_stream_payload_bytes_per_token", "pdbridge_store_bytes", "pdbridge_store_budget_bytes",
+    "pdbridge_store_blocks", "pdbridge_store_lookups_total", "pdbridge_store_evictions_total",
+    "pdbridge_store_quarantined_total", "pdbridge_engine_up", "pdbridge_engine_restarts_total",
+    "pdbridge_front_requests_in_flight", "pdbridge_push_streams_in_flight", "pdbridge_prefill_in_flight",
+    "pdbridge_grpc_errors_total", "pdbridge_prefill_requests_total", "pdbridge_build_info",
+} | {h + "_bucket" for h in HISTOGRAMS}
+LABELS = {"outcome", "reason", "stage", "engine", "service", "code", "daemon", "version", "le"}
+DS_UID = "${DS_PROMETHEUS}"
+
+def balanced(expr):
+    stack, pairs, quote = [], {")": "(", "]": "[", "}": "{"}, None
+    for ch in expr:
+        if quote:
+            if ch == quote:
+                quote = None
+        elif ch in "\"'`":
+            quote = ch
+        elif ch in "([{":
+            stack.append(ch)
+        elif ch in ")]}":
+            if not stack or stack.pop() != pairs[ch]:
+                return False
+    return not stack and quote is None
+
+def all_panels(panels):
+    for p in panels:
+        yield p
+        yield from all_panels(p.get("panels", []))  # collapsed rows nest their panels
+
+path = os.path.join(deploy, "grafana", "pd-bridge.json")
+try:
+    with open(path) as f:
+        dash = json.load(f)
+except Exception as e:
+    fail(f"{rel(path)}: not valid JSON: {e}")
+    dash = None
+if dash is not None:
+    problems, used = [], set()
+    if dash.get("title") != "pd-bridge":
+        problems.append(f"title should be 'pd-bridge', is {dash.get('title')!r}")
+    if not isinstance(dash.get("uid"), str) or not dash.get("uid"):
+        problems.append("uid missing")
+    if not isinstance(dash.get("schemaVersion"), int) or dash["schemaVersion"] < 36:
+        problems.append(f"schemaVersion should be an integer >= 36, is {dash.get('schemaVersion')!r}")
+    inputs = [i for i in dash.get("__inputs", []) if i.get("name") == "DS_PROMETHEUS"]
+    if not inputs or inputs[0].get("type") != "datasource" or inputs[0].get("pluginId") != "prometheus":
+        problems.append("__inputs lacks DS_PROMETHEUS (type datasource, pluginId prometheus)")
+    tvars = [v for v in dash.get("templating", {}).get("list", []) if v.get("name") == "DS_PROMETHEUS"]
+    if not tvars or tvars[0].get("type") != "datasource" or tvars[0].get("query") != "prometheus":
+        problems.append("templating lacks variable DS_PROMETHEUS (type datasource, query prometheus)")
+    panels = list(all_panels(dash.get("panels", [])))
+    if not panels:
+        problems.append("no panels")
+    ids = [p.get("id") for p in panels]
+    if len(set(ids)) != len(ids) or None in ids:
+        problems.append(f"panel ids must be present and unique: {ids}")
+    for p in panels:
+        name = f"panel {p.get('id')} {p.get('title')!r}"
+        g = p.get("gridPos", {})
+        if not all(isinstance(g.get(k), int) for k in "xywh") or g["x"] + g["w"] > 24:
+            problems.append(f"{name}: gridPos needs integer x, y, w, h within 24 columns")
+        if p.get("type") == "row":
+            continue
+        if not p.get("title"):
+            problems.append(f"{name}: no title")
+        targets = p.get("targets") or []
+        exprs = [t.get("expr", "") for t in targets if isinstance(t.get("expr"), str) and t["expr"].strip()]
+        if not exprs:
+            problems.append(f"{name}: no target with an expr")
+        refs = [t.get("refId") for t in targets]
+        if len(set(refs)) != len(refs):
+            problems.append(f"{name}: duplicate refId")
+        for obj in [p] + targets:
+            ds = obj.get("datasource")
+            if ds is not None and (ds.get("uid") != DS_UID or ds.get("type") != "prometheus"):
+                problems.append(f"{name}: datasource should be prometheus / {DS_UID}, is {ds}")
+        for expr in exprs:
+            if not balanced(expr):
+                problems.append(f"{name}: unbalanced brackets or quotes in {expr!r}")
+            names = set(re.findall(r"\bpdbridge_[a-z0-9_]+", expr))
+            used |= names
+            for m in sorted(names - METRICS):
+                problems.append(f"{name}: {m} is not one of the daemons' metrics")
+            labels = set()
+            for grp in re.findall(r"\b(?:by|without)\s*\(([^)]*)\)", expr):
+                labels |= {l.strip() for l in grp.split(",") if l.strip()}
+            for sel in re.findall(r"\{([^}]*)\}", expr):
+                labels |= set(re.findall(r"([A-Za-z_][A-Za-z0-9_]*)\s*(?:=~|!~|!=|=)", sel))
+            for l in sorted(labels - LABELS):
+                problems.append(f"{name}: label {l!r} is not one of {sorted(LABELS)}")
+    missing = sorted(METRICS - used)
+    if missing:
+        problems.append(f"metrics with no panel: {missing}")
+    if problems:
+        for p in problems:
+            fail(f"{rel(path)}: {p}")
+    else:
+        ok(f"{rel(path)}: {len(panels)} panels, each with an expr; only the daemons' metrics and labels")
+
+# --- Prometheus scrape config ---------------------------------------------------------------
+JOBS = {"pdbridge-prefilld": ("9471", "prefill"), "pdbridge-decoded": ("9470", "decode")}
+path = os.path.join(deploy, "prometheus", "prometheus.yml")
+problems = []
+try:
+    text = open(path).read()
+except OSError as e:
+    fail(f"{rel(path)}: {e}")
+    text = None
+if text is not None and yaml_py:
+    prog = ("import json, sys, yaml\n"
+            "try:\n    conf = yaml.safe_load(open(sys.argv[1]))\n"
+            "except yaml.YAMLError as e:\n    sys.exit(' '.join(str(e).split()))\n"
+            "print(json.dumps(conf))")
+    r = subprocess.run([yaml_py, "-c", prog, path], capture_output=True, text=True)
+    if r.returncode != 0:
+        problems.append(f"not valid YAML: {r.stderr.strip() or r.returncode}")
+    else:
+        conf = json.loads(r.stdout)
+        glob = (conf or {}).get("global", {}) or {}
+        jobs = {j.get("job_name"): j for j in (conf or {}).get("scrape_configs", []) or []}
+        for job, (port, role) in JOBS.items():
+            j = jobs.get(job)
+            if j is None:
+                problems.append(f"job {job} missing")
+                continue
+            if j.get("metrics_path") != "/metrics":
+                problems.append(f"{job}: metrics_path should be /metrics")
+            statics = j.get("static_configs") or []
+            targets = [t for s in statics for t in s.get("targets", [])]
+            if not targets or any(not str(t).endswith(":" + port) for t in targets):
+                problems.append(f"{job}: targets should be host:{port}, are {targets}")
+            if any((s.get("labels") or {}).get("role") != role for s in statics):
+                problems.append(f"{job}: every static_config needs labels: {{role: {role}}}")
+            try:
+                interval = seconds(str(j.get("scrape_interval", glob.get("scrape_interval", "1m"))))
+                timeout = seconds(str(j.get("scrape_timeout", glob.get("scrape_timeout", "10s"))))
+                if not 5 <= interval <= 60:
+                    problems.append(f"{job}: scrape interval {interval:g}s outside 5s..60s")
+                if timeout > interval:
+                    problems.append(f"{job}: scrape_timeout {timeout:g}s exceeds the interval")
+            except ValueError as e:
+                problems.append(f"{job}: {e}")
+        how = "YAML (PyYAML)"
+elif text is not None:
+    # No YAML parser: a structural check of the same facts.
+    how = "structure (no PyYAML here)"
+    if "\t" in text:
+        problems.append("tabs are not allowed in YAML indentation")
+    if not re.search(r"^scrape_configs:\s*$", text, re.M):
+        problems.append("no top-level scrape_configs:")
+    blocks = re.split(r"^\s*-\s+job_name:\s*", text, flags=re.M)[1:]
+    found = {b.split("\n", 1)[0].strip().strip("\"'"): b for b in blocks}
+    for job, (port, role) in JOBS.items():
+        b = found.get(job)
+        if b is None:
+            problems.append(f"job {job} missing")
+            continue
+        if not re.search(r"^\s*metrics_path:\s*[\"']?/metrics[\"']?\s*$", b, re.M):
+            problems.append(f"{job}: metrics_path should be /metrics")
+        if not re.search(rf":{port}[\"']", b):
+            problems.append(f"{job}: no target on port {port}")
+        if not re.search(rf"^\s*role:\s*[\"']?{role}[\"']?\s*$", b, re.M):
+            problems.append(f"{job}: labels need role: {role}")
+    if not re.search(r"^\s*scrape_interval:\s*\S+", text, re.M):
+        problems.append("no scrape_interval")
+if text is not None:
+    if shutil.which("promtool"):
+        r = subprocess.run(["promtool", "check", "config", path], capture_output=True, text=True)
+        if r.returncode != 0:
+            problems.append(f"promtool check config: {(r.stdout + r.stderr).strip()}")
+    if problems:
+        for p in problems:
+            fail(f"{rel(path)}: {p}")
+    else:
+        ok(f"{rel(path)}: {how}: both jobs, ports, /metrics, role labels, interval")
+
+sys.exit(1 if failures else 0)
+PY
+[ $? -eq 0 ] || failures=$((failures + 1))
+
+if [ "$failures" -ne 0 ]; then
+  echo "deploy/check.sh: FAILED (see FAIL lines above)" >&2
+  exit 1
+fi
+echo "deploy/check.sh: all deployment files check out"
