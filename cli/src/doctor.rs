@@ -192,9 +192,12 @@ async fn test_bridge(decoded: Channel, prefilld: Channel, decoder_addr: &str) ->
     // valid in the decoder's vocabulary.
     let nanos = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default().as_nanos() as u64;
     let vocab = spec.vocab_size.max(2) as u64;
-    let tokens: Vec<u32> = (0..spec.block_tokens as u64)
-        .map(|i| ((nanos.wrapping_mul(6364136223846793005).wrapping_add(i * 1442695040888963407)) >> 33) % vocab)
-        .map(|t| t as u32)
+    let mut state = nanos;
+    let tokens: Vec<u32> = (0..spec.block_tokens)
+        .map(|_| {
+            state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((state >> 33) % vocab) as u32
+        })
         .collect();
     let request = PrefillRequest {
         request_id: format!("doctor-{nanos:x}"),
