@@ -277,7 +277,7 @@ impl Front {
         };
         let mut generation = engine.generate(&request).await?;
         drop(lease);
-        let id = format!("pdb-{:x}", started.elapsed().as_nanos() ^ std::process::id() as u128);
+        let id = pdbridge_common::request_id::new("chatcmpl");
         let created = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_secs();
         let model = self.config.model_name.clone();
         plan.verdict.timings_ms.insert("generate_start".into(), ms(started));

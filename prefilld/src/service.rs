@@ -1,13 +1,7 @@
 //! The `Prefiller` gRPC service: validates requests and runs each as a
 //! [`Bridge`] job whose progress and outcome stream back to the caller.
 
-use std::{
-    pin::Pin,
-    sync::{
-        Arc,
-        atomic::{AtomicU64, Ordering},
-    },
-};
+use std::{pin::Pin, sync::Arc};
 
 use pdbridge_common::proto::{PrefillEvent, PrefillRequest, prefiller_server::Prefiller};
 use tokio::sync::mpsc;
@@ -38,13 +32,6 @@ fn refuse(status: Status) -> Status {
     status
 }
 
-/// A request id unique within this process and across restarts.
-fn new_request_id() -> String {
-    static NEXT: AtomicU64 = AtomicU64::new(0);
-    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_nanos();
-    format!("pf-{nanos:x}-{}", NEXT.fetch_add(1, Ordering::Relaxed))
-}
-
 #[tonic::async_trait]
 impl Prefiller for PrefillerService {
     type PrefillStream = EventStream;
@@ -67,7 +54,8 @@ impl Prefiller for PrefillerService {
                 )));
             }
         };
-        let request_id = if request.request_id.is_empty() { new_request_id() } else { request.request_id };
+        let request_id =
+            if request.request_id.is_empty() { pdbridge_common::request_id::new("pf") } else { request.request_id };
         let job = Job { request_id, token_ids: request.token_ids, decoder_addr, first_block: request.first_block };
         let (tx, rx) = mpsc::channel(16);
         tokio::spawn(bridge.run(job, tx));
