@@ -38,6 +38,12 @@ struct Args {
     /// Where push_throughput.json goes.
     #[arg(long, default_value = "bench/results")]
     out: PathBuf,
+    /// Directory for the stores (e.g. /dev/shm to take the disk out of the measurement).
+    #[arg(long)]
+    store_root: Option<PathBuf>,
+    /// Name of the results file.
+    #[arg(long, default_value = "push_throughput.json")]
+    name: String,
 }
 
 /// HTTP/2 settings of one variant: (name, stream window, connection window, max frame).
@@ -83,7 +89,10 @@ async fn main() {
     let mut rows = Vec::new();
     for (variant, stream_window, conn_window, frame) in VARIANTS {
         let scratch = Scratch::new("push-bench");
-        let store = scratch.0.join("store");
+        let store = match &args.store_root {
+            Some(root) => root.join(format!("pdb-push-bench-{}", std::process::id())).join(variant.replace(' ', "-")),
+            None => scratch.0.join("store"),
+        };
         let http2 = format!(
             "[server.http2]\nstream_window_bytes = {stream_window}\nconnection_window_bytes = {conn_window}\nmax_frame_bytes = {frame}\n"
         );
@@ -167,9 +176,13 @@ async fn main() {
         "cpu": machine,
         "cores": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
         "block_bytes": template_bytes(&rows),
+        "store": args.store_root.as_ref().map_or("a temp dir on the machine's disk".to_owned(), |r| r.display().to_string()),
         "rows": rows,
     });
-    let path = args.out.join("push_throughput.json");
+    if let Some(root) = &args.store_root {
+        let _ = std::fs::remove_dir_all(root.join(format!("pdb-push-bench-{}", std::process::id())));
+    }
+    let path = args.out.join(&args.name);
     std::fs::write(&path, serde_json::to_string_pretty(&result).unwrap()).unwrap();
     println!("wrote {}", path.display());
 }
