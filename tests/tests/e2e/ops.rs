@@ -12,7 +12,9 @@ async fn deployment_files_verify() {
     let output = tokio::process::Command::new("bash").arg(&script).output().await.expect("run deploy/check.sh");
     let text = format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
     assert!(output.status.success(), "deploy/check.sh failed:\n{text}");
-    for file in ["pdbridge-prefilld.service", "pdbridge-decoded.service", "com.pd-bridge.decoded.plist", "pd-bridge.json"] {
+    for file in
+        ["pdbridge-prefilld.service", "pdbridge-decoded.service", "com.pd-bridge.decoded.plist", "pd-bridge.json"]
+    {
         assert!(text.contains(file), "check.sh did not check {file}:\n{text}");
     }
 }
@@ -25,16 +27,21 @@ async fn sd_notify_ready_after_the_engine_and_stopping_on_sigterm() {
     let socket_path = scratch.0.join("notify.sock");
     let socket = UnixDatagram::bind(&socket_path).unwrap();
     let config = engines.decoded_config(&scratch.0.join("store"), 16, "[front]\nlisten = \"127.0.0.1:0\"\n");
-    let mut decoded = Daemon::start_with_env("decoded", &config, &[("NOTIFY_SOCKET", socket_path.to_str().unwrap())]).await;
+    let mut decoded =
+        Daemon::start_with_env("decoded", &config, &[("NOTIFY_SOCKET", socket_path.to_str().unwrap())]).await;
 
     let mut buf = [0u8; 256];
-    let n = tokio::time::timeout(Duration::from_secs(300), socket.recv(&mut buf)).await.expect("READY=1 in time").unwrap();
+    let n =
+        tokio::time::timeout(Duration::from_secs(300), socket.recv(&mut buf)).await.expect("READY=1 in time").unwrap();
     assert_eq!(&buf[..n], b"READY=1\n", "{}", String::from_utf8_lossy(&buf[..n]));
     let ready = reqwest::get(decoded.admin_url("/readyz")).await.unwrap().status();
     assert_eq!(ready.as_u16(), 200, "READY=1 was sent before the engine was ready");
 
     decoded.terminate();
-    let n = tokio::time::timeout(Duration::from_secs(30), socket.recv(&mut buf)).await.expect("STOPPING=1 in time").unwrap();
+    let n = tokio::time::timeout(Duration::from_secs(30), socket.recv(&mut buf))
+        .await
+        .expect("STOPPING=1 in time")
+        .unwrap();
     assert_eq!(&buf[..n], b"STOPPING=1\n");
     assert_eq!(decoded.wait(Duration::from_secs(60)).await.code(), Some(0));
 }
