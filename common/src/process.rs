@@ -40,9 +40,12 @@ pub async fn supervise<F, Fut, E>(
     }
 }
 
-/// Makes the child receive SIGTERM when this process dies, however it dies,
-/// so an engine never outlives its daemon (Linux; elsewhere a no-op).
-pub fn die_with_parent(cmd: &mut tokio::process::Command) {
+/// Runs the child in a process group of its own, so that [`terminate`]
+/// reaches every process the engine starts (vLLM forks an engine core and
+/// workers), and makes the child receive SIGTERM when this process dies,
+/// however it dies (Linux; elsewhere only the process group applies).
+pub fn contain(cmd: &mut tokio::process::Command) {
+    cmd.process_group(0);
     #[cfg(target_os = "linux")]
     // SAFETY: prctl(2) is async-signal-safe and touches only the child's own state.
     unsafe {
@@ -53,8 +56,6 @@ pub fn die_with_parent(cmd: &mut tokio::process::Command) {
             Ok(())
         });
     }
-    #[cfg(not(target_os = "linux"))]
-    let _ = cmd;
 }
 
 /// Marks the engine up in metrics (the supervisor marks it down).
@@ -62,14 +63,18 @@ pub fn mark_up(engine: &'static str) {
     metrics::gauge!("pdbridge_engine_up", "engine" => engine).set(1.0);
 }
 
-/// SIGTERM, up to `grace` for a clean exit, then SIGKILL.
+/// SIGTERM to the child's process group, up to `grace` for a clean exit,
+/// then SIGKILL to whatever is left of the group.
 pub async fn terminate(child: &mut Child, grace: Duration) -> std::io::Result<()> {
-    if let Some(pid) = child.id() {
-        // SAFETY: kill(2) on our own child, which has not been reaped (id() is Some).
-        unsafe { libc::kill(pid as i32, libc::SIGTERM) };
-    }
-    if tokio::time::timeout(grace, child.wait()).await.is_err() {
-        child.kill().await?;
+    let Some(pid) = child.id() else { return Ok(()) };
+    let group = -(pid as i32);
+    // SAFETY: kill(2) on the process group we created for our own child.
+    unsafe { libc::kill(group, libc::SIGTERM) };
+    let exited = tokio::time::timeout(grace, child.wait()).await.is_ok();
+    // SAFETY: as above; processes of the group may outlive its leader.
+    unsafe { libc::kill(group, libc::SIGKILL) };
+    if !exited {
+        child.wait().await?;
     }
     Ok(())
 }

@@ -420,7 +420,7 @@ fn spawn(config: &EngineConfig, block_tokens: u32) -> Result<Child, EngineError>
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .kill_on_drop(true);
-    process::die_with_parent(&mut cmd);
+    process::contain(&mut cmd);
     tracing::info!(python = %config.python.display(), model = %config.model.display(), "starting decode engine");
     cmd.spawn().map_err(|e| EngineError::Internal(format!("spawn {}: {e}", config.python.display())))
 }

@@ -233,7 +233,7 @@ fn command(config: &EngineConfig, num_layers: u32, port: u16) -> Command {
         .stdout(Stdio::inherit())
         .stderr(Stdio::inherit())
         .kill_on_drop(true);
-    process::die_with_parent(&mut cmd);
+    process::contain(&mut cmd);
     tracing::info!(python = %config.python.display(), model = %config.model.display(), port, "starting prefill engine");
     cmd
 }
