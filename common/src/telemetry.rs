@@ -68,3 +68,19 @@ pub fn register_common(engine: &'static str, service: &'static str) {
 pub fn record_stage(stage: &'static str, seconds: f64) {
     metrics::histogram!("pdbridge_stage_seconds", "stage" => stage).record(seconds);
 }
+
+/// Holds one unit of an "in flight" gauge for as long as it lives.
+pub struct InFlight(&'static str);
+
+impl InFlight {
+    pub fn enter(gauge: &'static str) -> Self {
+        metrics::gauge!(gauge).increment(1.0);
+        InFlight(gauge)
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        metrics::gauge!(self.0).decrement(1.0);
+    }
+}

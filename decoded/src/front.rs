@@ -251,7 +251,7 @@ impl Front {
         let mode = mode(headers)?;
         let sampling = sampling(body, self.config.default_max_tokens)?;
         let engine = self.engine.as_ref().ok_or(FrontError::EngineUnavailable)?;
-        let _in_flight = InFlight::enter();
+        let _in_flight = telemetry::InFlight::enter("pdbridge_front_requests_in_flight");
         let tokens = engine.tokenize(input).await?;
         if tokens.is_empty() {
             return Err(FrontError::BadRequest("the prompt tokenizes to nothing".into()));
@@ -568,20 +568,4 @@ fn chunk_json(kind: Kind, id: &str, created: u64, model: &str, text: Option<&str
 
 fn ms(since: Instant) -> f64 {
     since.elapsed().as_secs_f64() * 1e3
-}
-
-/// Counts front-door requests in progress (`pdbridge_front_requests_in_flight`).
-struct InFlight;
-
-impl InFlight {
-    fn enter() -> Self {
-        metrics::gauge!("pdbridge_front_requests_in_flight").increment(1.0);
-        InFlight
-    }
-}
-
-impl Drop for InFlight {
-    fn drop(&mut self) {
-        metrics::gauge!("pdbridge_front_requests_in_flight").decrement(1.0);
-    }
 }

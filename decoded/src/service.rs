@@ -11,6 +11,7 @@ use pdbridge_common::{
         PushReceipt, cache_store_server::CacheStore, push_frame::Frame,
     },
     shard::ShardError,
+    telemetry,
 };
 use tokio::io::AsyncReadExt;
 use tokio_stream::Stream;
@@ -158,7 +159,7 @@ impl CacheStore for CacheStoreService {
         let spec = Arc::new(info.spec.clone());
         let mut ingest =
             Ingest::open(spec, self.store.clone(), open, self.max_open_blocks).map_err(|e| status_of(&e.into()))?;
-        let _in_flight = InFlight::enter();
+        let _in_flight = telemetry::InFlight::enter("pdbridge_push_streams_in_flight");
         // A transport error or a client that hangs up ends the loop; blocks
         // already committed stay, partial ones are dropped with `ingest`.
         let seal = loop {
@@ -186,21 +187,5 @@ impl CacheStore for CacheStoreService {
             "push done"
         );
         Ok(Response::new(receipt))
-    }
-}
-
-/// Counts Push streams in progress (`pdbridge_push_streams_in_flight`).
-struct InFlight;
-
-impl InFlight {
-    fn enter() -> Self {
-        metrics::gauge!("pdbridge_push_streams_in_flight").increment(1.0);
-        InFlight
-    }
-}
-
-impl Drop for InFlight {
-    fn drop(&mut self) {
-        metrics::gauge!("pdbridge_push_streams_in_flight").decrement(1.0);
     }
 }

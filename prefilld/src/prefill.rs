@@ -85,7 +85,7 @@ impl Bridge {
     /// Runs `job`, sending progress and then one outcome to `events`.
     pub async fn run(self: Arc<Self>, job: Job, events: mpsc::Sender<PrefillEvent>) {
         let started = Instant::now();
-        metrics::gauge!("pdbridge_prefill_in_flight").increment(1.0);
+        let _in_flight = telemetry::InFlight::enter("pdbridge_prefill_in_flight");
         let outcome = match self.bridge(&job, &events).await {
             Ok(outcome) => outcome,
             Err(failure) => {
@@ -119,7 +119,6 @@ impl Bridge {
                 telemetry::record_stage(stage, ms / 1e3);
             }
         }
-        metrics::gauge!("pdbridge_prefill_in_flight").decrement(1.0);
         let _ = events.send(PrefillEvent { event: Some(Event::Outcome(outcome)) }).await;
     }
 
