@@ -303,6 +303,8 @@ impl Front {
                                 let mut last =
                                     chunk_json(kind, &id, created, &model, None, Some(&summary.finish_reason));
                                 last["usage"] = usage(&summary);
+                                // The header left before the engine ran: its stages ride here.
+                                last["pd_bridge"] = json!({"engine_timings_ms": summary.timings_ms});
                                 last
                             }
                         }
