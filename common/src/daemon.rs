@@ -165,7 +165,10 @@ pub async fn serve_rpc(
 
     // A listener that dies early takes the daemon down rather than leaving it
     // half-alive.
+    // Biased: once shutdown is requested the listeners finish on purpose;
+    // that must lead to the drain, not look like a listener dying.
     tokio::select! {
+        biased;
         _ = stop.cancelled() => {}
         r = &mut grpc_task => { stop.cancel(); return flatten(r); }
         r = &mut admin_task => { stop.cancel(); return flatten(r); }
@@ -200,7 +203,10 @@ async fn notify_service_manager(mut ready: tokio::sync::watch::Receiver<bool>, s
         }
         true
     };
+    // Biased: once shutdown is requested the listeners finish on purpose;
+    // that must lead to the drain, not look like a listener dying.
     tokio::select! {
+        biased;
         _ = stop.cancelled() => {}
         ready = became_ready => {
             if ready {

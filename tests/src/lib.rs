@@ -83,6 +83,8 @@ pub struct Daemon {
     pub front: Option<SocketAddr>,
     /// Every log line so far, for failure messages.
     log: Arc<Mutex<Vec<String>>>,
+    /// Reads the daemon's stderr into `log` until the pipe closes.
+    log_reader: Option<tokio::task::JoinHandle<()>>,
     _scratch: Scratch,
 }
 
@@ -119,7 +121,7 @@ impl Daemon {
         let mut lines = BufReader::new(child.stderr.take().expect("piped stderr")).lines();
         let sink = log.clone();
         let listening = format!("{name} listening");
-        tokio::spawn(async move {
+        let log_reader = tokio::spawn(async move {
             while let Ok(Some(line)) = lines.next_line().await {
                 if let Ok(event) = serde_json::from_str::<serde_json::Value>(&line) {
                     let fields = &event["fields"];
@@ -139,7 +141,16 @@ impl Daemon {
             let status = child.try_wait().ok().flatten();
             panic!("{name} did not start (exit: {status:?}); log:\n{}", log.lock().unwrap().join("\n"));
         };
-        Daemon { name: name.to_owned(), child, grpc, admin, front, log, _scratch: scratch }
+        Daemon {
+            name: name.to_owned(),
+            child,
+            grpc,
+            admin,
+            front,
+            log,
+            log_reader: Some(log_reader),
+            _scratch: scratch,
+        }
     }
 
     pub fn grpc_uri(&self) -> String {
@@ -170,12 +181,18 @@ impl Daemon {
         assert_eq!(rc, 0, "kill(SIGTERM) failed");
     }
 
-    /// Waits for the process to exit, failing the test after `limit`.
+    /// Waits for the process to exit, failing the test after `limit`; the
+    /// log then holds every line the daemon wrote.
     pub async fn wait(&mut self, limit: Duration) -> ExitStatus {
-        match tokio::time::timeout(limit, self.child.wait()).await {
+        let status = match tokio::time::timeout(limit, self.child.wait()).await {
             Ok(status) => status.expect("wait for daemon"),
             Err(_) => panic!("{} still running after {limit:?}; log:\n{}", self.name, self.log_text()),
+        };
+        if let Some(reader) = self.log_reader.take() {
+            // The pipe closes with the process (its engines write elsewhere).
+            let _ = tokio::time::timeout(Duration::from_secs(10), reader).await;
         }
+        status
     }
 
     pub fn log_text(&self) -> String {
