@@ -20,7 +20,7 @@ use axum::{
     routing::{get, post},
 };
 use pdbridge_common::{
-    block,
+    block::{self, BlockKey},
     proto::{
         PrefillRequest, outcome::Status as OutcomeStatus, prefill_event::Event as PrefillEventKind,
         prefiller_client::PrefillerClient,
@@ -257,10 +257,11 @@ impl Front {
             return Err(FrontError::BadRequest("the prompt tokenizes to nothing".into()));
         }
         let tokenized_ms = ms(started);
-        let mut plan = self.plan(engine, &tokens, mode).await?;
-        plan.verdict.timings_ms.insert("tokenize".into(), tokenized_ms);
+        // One spec for the whole request: its keys plan the bridge and pick the blocks to restore.
         let info = engine.info()?;
         let keys = block::keys(&info.spec.spec_fingerprint, &tokens, info.spec.block_tokens as usize);
+        let mut plan = self.plan(&tokens, &keys, info.spec.block_tokens as usize, mode).await?;
+        plan.verdict.timings_ms.insert("tokenize".into(), tokenized_ms);
         let lease = self.store.lease(&keys[..plan.blocks]);
         if lease.paths().len() < plan.blocks {
             // Evicted between planning and leasing: serve what is still there, honestly.
@@ -368,10 +369,7 @@ impl Front {
 
 impl Front {
     /// Decides how this prompt is served and, when bridging, runs the bridge.
-    async fn plan(&self, engine: &Engine, tokens: &[u32], mode: Mode) -> Result<Plan, FrontError> {
-        let info = engine.info()?;
-        let b = info.spec.block_tokens as usize;
-        let keys = block::keys(&info.spec.spec_fingerprint, tokens, b);
+    async fn plan(&self, tokens: &[u32], keys: &[BlockKey], b: usize, mode: Mode) -> Result<Plan, FrontError> {
         let verdict = |outcome, reason, restored: usize| Verdict {
             outcome,
             reason,
@@ -386,7 +384,7 @@ impl Front {
         if mode == Mode::Native {
             return Ok(plain("native", Some("requested"), 0));
         }
-        let cached = self.store.longest_prefix(&keys);
+        let cached = self.store.longest_prefix(keys);
         let lookup = if cached > 0 { "hit" } else { "miss" };
         metrics::counter!("pdbridge_store_lookups_total", "outcome" => lookup).increment(1);
         let missing_tokens = (keys.len() - cached) * b;
@@ -412,7 +410,7 @@ impl Front {
 
         let started = Instant::now();
         let bridged = self.bridge(tokens, cached as u32).await;
-        let now_cached = self.store.longest_prefix(&keys);
+        let now_cached = self.store.longest_prefix(keys);
         let (outcome, reason) = match &bridged {
             _ if now_cached == keys.len() && now_cached > cached => ("bridged", None),
             Ok(_) if now_cached > cached => ("partial", None),
