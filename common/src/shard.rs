@@ -107,9 +107,9 @@ impl TensorAssembly {
         self.received == self.len
     }
 
-    /// The tensor's parts in order; only meaningful once complete.
-    pub fn parts(&self) -> impl Iterator<Item = &Bytes> {
-        self.parts.values()
+    /// The tensor's parts in byte order; only meaningful once complete.
+    pub fn into_parts(self) -> Vec<Bytes> {
+        self.parts.into_values().collect()
     }
 }
 
@@ -167,7 +167,7 @@ mod tests {
             asm.insert(shard.byte_offset, shard.payload).unwrap();
         }
         assert!(asm.is_complete());
-        let joined: Vec<u8> = asm.parts().flat_map(|p| p.iter().copied()).collect();
+        let joined: Vec<u8> = asm.into_parts().concat();
         assert_eq!(joined, data);
     }
 

@@ -2,14 +2,20 @@
 //!
 //! A Push stream opens with the prompt's token ids, then carries shards in any
 //! order. Every shard is checked on arrival (spec, range, checksum, overlap);
-//! a block is committed to the store the moment its last byte verifies, so a
-//! cut stream leaves every completed block valid and nothing partial. Memory
-//! is bounded to `max_open_blocks` partially assembled blocks per stream.
+//! a block is handed to the store the moment its last byte verifies, so a cut
+//! stream leaves every completed block valid and nothing partial. Commits run
+//! on blocking threads while the stream keeps being read (a block's fsync
+//! overlaps the next block's bytes on the wire); [`Ingest::finish`] waits for
+//! them. Memory is bounded to `max_open_blocks` blocks per stream, assembling
+//! and committing together: a sender that outruns the disk is slowed down by
+//! HTTP/2 flow control, not buffered.
 
 use std::{
     collections::{BTreeSet, HashMap},
     sync::Arc,
 };
+
+use tokio::task::JoinSet;
 
 use pdbridge_common::{
     block::{self, BlockKey},
@@ -43,6 +49,9 @@ struct OpenBlock {
     complete: usize,
 }
 
+/// A commit's outcome: the block and the bytes its file holds.
+type Committed = Result<(u32, u64), IngestError>;
+
 pub struct Ingest {
     spec: Arc<CacheSpec>,
     store: Arc<Store>,
@@ -53,7 +62,11 @@ pub struct Ingest {
     max_open_blocks: usize,
     tensors_per_block: usize,
     open: HashMap<u32, OpenBlock>,
-    committed: BTreeSet<u32>,
+    /// Blocks handed to the store whose commit has not been reaped yet.
+    committing: JoinSet<Committed>,
+    /// Blocks complete on the wire: committed or being committed.
+    complete: BTreeSet<u32>,
+    committed: u32,
     bytes: u64,
 }
 
@@ -79,7 +92,9 @@ impl Ingest {
             max_open_blocks,
             tensors_per_block,
             open: HashMap::new(),
-            committed: BTreeSet::new(),
+            committing: JoinSet::new(),
+            complete: BTreeSet::new(),
+            committed: 0,
             bytes: 0,
         })
     }
@@ -88,14 +103,18 @@ impl Ingest {
         &self.request_id
     }
 
-    /// Verifies one shard and, when it completes its block, commits the block.
+    /// Verifies one shard and, when it completes its block, starts committing
+    /// the block. Reports a failed commit of an earlier block.
     pub async fn accept(&mut self, shard: Shard) -> Result<(), IngestError> {
+        while let Some(done) = self.committing.try_join_next() {
+            self.reap(done)?;
+        }
         let block = shard.block_index;
         let end = self.keys.len() as u32;
         if block < self.first_block || block >= end {
             return Err(IngestError::BlockOutOfRange { block, first: self.first_block, end });
         }
-        if self.committed.contains(&block) {
+        if self.complete.contains(&block) {
             return Err(IngestError::AlreadyCommitted { block });
         }
         let expected = spec::block_tensor(&self.spec, shard.layer, &shard.tensor)
@@ -103,26 +122,33 @@ impl Ingest {
         let shard_err = |source| IngestError::Shard { block, layer: shard.layer, tensor: shard.tensor.clone(), source };
         expected.check(&shard).map_err(shard_err)?;
 
-        if !self.open.contains_key(&block) && self.open.len() >= self.max_open_blocks {
-            return Err(IngestError::TooManyOpenBlocks { limit: self.max_open_blocks });
+        if !self.open.contains_key(&block) {
+            // Room for one more block: wait for commits first, refuse only a
+            // sender that keeps too many blocks half-sent.
+            while self.open.len() + self.committing.len() >= self.max_open_blocks {
+                match self.committing.join_next().await {
+                    Some(done) => self.reap(done)?,
+                    None => return Err(IngestError::TooManyOpenBlocks { limit: self.max_open_blocks }),
+                }
+            }
         }
         let open = self.open.entry(block).or_insert_with(|| OpenBlock { tensors: HashMap::new(), complete: 0 });
         let assembly = open
             .tensors
             .entry((shard.layer, shard.tensor.clone()))
             .or_insert_with(|| TensorAssembly::new(expected.byte_len()));
-        assembly.insert(shard.byte_offset, shard.payload.clone()).map_err(shard_err)?;
+        assembly.insert(shard.byte_offset, shard.payload).map_err(shard_err)?;
         if assembly.is_complete() {
             open.complete += 1;
         }
         if open.complete == self.tensors_per_block {
             let open = self.open.remove(&block).expect("present");
-            self.commit(block, open).await?;
+            self.start_commit(block, open);
         }
         Ok(())
     }
 
-    async fn commit(&mut self, block: u32, open: OpenBlock) -> Result<(), IngestError> {
+    fn start_commit(&mut self, block: u32, open: OpenBlock) {
         let b = self.spec.block_tokens as usize;
         let index = block as usize;
         let identity = BlockIdentity {
@@ -141,28 +167,47 @@ impl Ingest {
                     name: format!("{layer}.{name}"),
                     dtype: safetensors_dtype(expected.dtype),
                     shape: expected.shape.iter().map(|&d| d as usize).collect(),
-                    parts: assembly.parts().cloned().collect(),
+                    parts: assembly.into_parts(),
                 }
             })
             .collect();
         let store = self.store.clone();
-        let bytes = tokio::task::spawn_blocking(move || store.commit(&identity, &tensors)).await.map_err(|e| {
-            StoreError::Io { op: "commit", path: Default::default(), source: std::io::Error::other(e) }
+        self.complete.insert(block);
+        self.committing.spawn_blocking(move || Ok((block, store.commit(&identity, &tensors)?)));
+    }
+
+    /// Accounts for one finished commit.
+    fn reap(&mut self, done: Result<Committed, tokio::task::JoinError>) -> Result<(), IngestError> {
+        let (_, bytes) = done.map_err(|e| StoreError::Io {
+            op: "commit",
+            path: Default::default(),
+            source: std::io::Error::other(e),
         })??;
-        self.committed.insert(block);
+        self.committed += 1;
         self.bytes += bytes;
         metrics::counter!("pdbridge_store_blocks_committed_total").increment(1);
         metrics::counter!("pdbridge_push_bytes_total").increment(bytes);
         Ok(())
     }
 
-    /// What this stream achieved. `seal` is None when the stream ended without
-    /// one (then nothing the sender promised can be taken for granted).
-    pub fn receipt(&self, seal: Option<PushSeal>) -> PushReceipt {
+    /// Waits for every commit started, then reports what this stream achieved.
+    /// `seal` is None when the stream ended without one (then nothing the
+    /// sender promised can be taken for granted). A failed commit is an error,
+    /// after the others have finished: what did commit stays.
+    pub async fn finish(mut self, seal: Option<PushSeal>) -> Result<PushReceipt, IngestError> {
+        let mut first_error = None;
+        while let Some(done) = self.committing.join_next().await {
+            if let Err(e) = self.reap(done) {
+                first_error.get_or_insert(e);
+            }
+        }
+        if let Some(e) = first_error {
+            return Err(e);
+        }
         let first_missing = (self.first_block as usize..self.keys.len())
             .find(|&i| !self.store.contains(&self.keys[i]))
             .unwrap_or(self.keys.len()) as u32;
-        let committed = self.committed.len() as u32;
+        let committed = self.committed;
         let reason = match seal {
             None => "stream ended without a seal".to_owned(),
             Some(seal) if committed < seal.blocks_emitted => {
@@ -171,7 +216,7 @@ impl Ingest {
             }
             Some(_) => String::new(),
         };
-        PushReceipt { blocks_committed: committed, bytes: self.bytes, first_missing_block: first_missing, reason }
+        Ok(PushReceipt { blocks_committed: committed, bytes: self.bytes, first_missing_block: first_missing, reason })
     }
 }
 

@@ -8,7 +8,7 @@ use pdbridge_common::{
     block,
     proto::{
         BundleChunk, CacheSpec, GetBundleRequest, GetSpecRequest, LookupRequest, LookupResponse, PushFrame,
-        PushReceipt, cache_store_server::CacheStore, push_frame::Frame,
+        PushReceipt, PushSeal, cache_store_server::CacheStore, push_frame::Frame,
     },
     shard::ShardError,
     telemetry,
@@ -160,27 +160,20 @@ impl CacheStore for CacheStoreService {
         let mut ingest =
             Ingest::open(spec, self.store.clone(), open, self.max_open_blocks).map_err(|e| status_of(&e.into()))?;
         let _in_flight = telemetry::InFlight::enter("pdbridge_push_streams_in_flight");
-        // A transport error or a client that hangs up ends the loop; blocks
-        // already committed stay, partial ones are dropped with `ingest`.
-        let seal = loop {
-            match frames.message().await? {
-                Some(PushFrame { frame: Some(Frame::Shard(shard)) }) => {
-                    if let Err(e) = ingest.accept(shard).await {
-                        tracing::warn!(request_id = ingest.request_id(), error = %e, "push refused");
-                        return Err(status_of(&e.into()));
-                    }
-                }
-                Some(PushFrame { frame: Some(Frame::Seal(seal)) }) => break Some(seal),
-                Some(_) => return Err(bad("a Push carries one `open`, then shards, then one `seal`")),
-                None => break None,
-            }
-        };
-        if seal.is_some() && frames.message().await?.is_some() {
-            return Err(bad("frames after `seal`"));
+        let received = receive(&mut frames, &mut ingest).await;
+        // Whatever ended the stream, blocks that arrived whole still land;
+        // only partial ones are dropped with `ingest`.
+        let request_id = ingest.request_id().to_owned();
+        let finished = ingest.finish(received.as_ref().ok().cloned().flatten()).await;
+        if let Err(status) = &received {
+            tracing::warn!(request_id, error = %status.message(), "push refused");
         }
-        let receipt = ingest.receipt(seal);
+        let receipt = received.and(finished.map_err(|e| {
+            tracing::warn!(request_id, error = %e, "push failed");
+            status_of(&e.into())
+        }))?;
         tracing::info!(
-            request_id = ingest.request_id(),
+            request_id,
             blocks = receipt.blocks_committed,
             bytes = receipt.bytes,
             reason = receipt.reason,
@@ -188,4 +181,24 @@ impl CacheStore for CacheStoreService {
         );
         Ok(Response::new(receipt))
     }
+}
+
+/// Feeds a Push stream's shards to `ingest` until its seal (returned) or its
+/// end without one (None).
+async fn receive(frames: &mut Streaming<PushFrame>, ingest: &mut Ingest) -> Result<Option<PushSeal>, Status> {
+    let bad = |what| status_of(&ServiceError::BadStream(what));
+    let seal = loop {
+        match frames.message().await? {
+            Some(PushFrame { frame: Some(Frame::Shard(shard)) }) => {
+                ingest.accept(shard).await.map_err(|e| status_of(&e.into()))?
+            }
+            Some(PushFrame { frame: Some(Frame::Seal(seal)) }) => break Some(seal),
+            Some(_) => return Err(bad("a Push carries one `open`, then shards, then one `seal`")),
+            None => break None,
+        }
+    };
+    if seal.is_some() && frames.message().await?.is_some() {
+        return Err(bad("frames after `seal`"));
+    }
+    Ok(seal)
 }

@@ -125,6 +125,9 @@ pub struct StreamConfig {
     /// Emulated link rate for shards sent to decoders, in Gbit/s (e.g. 10 for
     /// 10 GbE on loopback); 0 sends as fast as the link allows.
     pub link_gbps: f64,
+    /// Connections each transfer's blocks are striped over (block i on
+    /// connection i mod n), so a fast link is not capped by one core per end.
+    pub connections: usize,
 }
 
 impl Default for StreamConfig {
@@ -134,6 +137,7 @@ impl Default for StreamConfig {
             queue_frames: 64,
             deadline_per_1k_tokens: Duration::from_secs(60),
             link_gbps: 0.0,
+            connections: 2,
         }
     }
 }
@@ -145,6 +149,9 @@ impl Validate for StreamConfig {
         }
         if !(self.link_gbps >= 0.0 && self.link_gbps.is_finite()) {
             return Err(ConfigError::invalid("stream.link_gbps", "must be a non-negative number"));
+        }
+        if !(1..=16).contains(&self.connections) {
+            return Err(ConfigError::invalid("stream.connections", "must be between 1 and 16"));
         }
         if self.queue_frames == 0 {
             return Err(ConfigError::invalid("stream.queue_frames", "must be at least 1"));

@@ -49,6 +49,10 @@ pub struct Decoder {
     pub spec: CacheSpec,
     pub bundle_path: PathBuf,
     pub client: CacheStoreClient<Channel>,
+    /// Clients on separate connections (the first is `client`'s) that Push
+    /// streams are striped over: one HTTP/2 connection is read by one task
+    /// at each end, so one connection caps a transfer at one core's rate.
+    pub push_clients: Vec<CacheStoreClient<Channel>>,
 }
 
 /// Every disagreement between the prefill model and a decoder's spec.
@@ -89,12 +93,15 @@ pub struct Decoders {
     profile: ModelProfile,
     bundle_dir: PathBuf,
     http2: Http2Config,
+    connections: usize,
     met: Mutex<HashMap<String, Arc<Decoder>>>,
 }
 
 impl Decoders {
-    pub fn new(profile: ModelProfile, bundle_dir: PathBuf, http2: Http2Config) -> Self {
-        Decoders { profile, bundle_dir, http2, met: Mutex::new(HashMap::new()) }
+    /// `connections`: how many connections each decoder's Push streams are
+    /// striped over.
+    pub fn new(profile: ModelProfile, bundle_dir: PathBuf, http2: Http2Config, connections: usize) -> Self {
+        Decoders { profile, bundle_dir, http2, connections, met: Mutex::new(HashMap::new()) }
     }
 
     /// The decoder at `addr`, meeting it first if needed.
@@ -138,10 +145,16 @@ impl Decoders {
             .tcp_nodelay(true)
             .initial_stream_window_size(self.http2.stream_window_bytes)
             .initial_connection_window_size(self.http2.connection_window_bytes);
-        let channel = endpoint.connect().await.map_err(|e| unreachable(e.to_string()))?;
-        let mut client = CacheStoreClient::new(channel)
-            .max_decoding_message_size(self.http2.max_message_bytes)
-            .max_encoding_message_size(self.http2.max_message_bytes);
+        let mut push_clients = Vec::with_capacity(self.connections);
+        for _ in 0..self.connections {
+            let channel = endpoint.connect().await.map_err(|e| unreachable(e.to_string()))?;
+            push_clients.push(
+                CacheStoreClient::new(channel)
+                    .max_decoding_message_size(self.http2.max_message_bytes)
+                    .max_encoding_message_size(self.http2.max_message_bytes),
+            );
+        }
+        let mut client = push_clients[0].clone();
         let spec =
             client.get_spec(GetSpecRequest {}).await.map_err(|s| unreachable(s.message().to_owned()))?.into_inner();
         if spec::fingerprint(&spec) != spec.spec_fingerprint {
@@ -159,7 +172,7 @@ impl Decoders {
             .await
             .map_err(|message| HandshakeError::Bundle { addr: addr.to_owned(), message })?;
         tracing::info!(decoder = addr, spec = %spec.spec_fingerprint, bundle = %bundle_path.display(), "decoder met");
-        Ok(Decoder { addr: addr.to_owned(), spec, bundle_path, client })
+        Ok(Decoder { addr: addr.to_owned(), spec, bundle_path, client, push_clients })
     }
 
     /// Streams the bundle to `<bundle_dir>/<sha256>.safetensors` (kept across

@@ -82,7 +82,8 @@ pub async fn serve(listeners: Listeners, config: Config, shutdown: Shutdown) -> 
             let bundle_dir = engine.bundle_dir.clone();
             let (vllm, task) = engine::supervise(engine, engine_stop.clone())?;
             engine_task = Some(task);
-            let decoders = Decoders::new(vllm.profile.clone(), bundle_dir, config.server.http2.clone());
+            let decoders =
+                Decoders::new(vllm.profile.clone(), bundle_dir, config.server.http2.clone(), config.stream.connections);
             let link = prefill::Link::new(config.stream.link_gbps);
             let bridge = Arc::new(Bridge { vllm, decoders, router, stream: config.stream.clone(), link });
             tokio::spawn(track_readiness(bridge.clone(), default_decoder.clone(), readiness.clone(), stop.clone()));

@@ -8,13 +8,13 @@ use std::{collections::BTreeMap, sync::Arc, time::Duration};
 use bytes::Bytes;
 use pdbridge_common::{
     proto::{
-        Dtype, LookupRequest, Outcome, PrefillEvent, Progress, PushFrame, PushOpen, PushSeal,
+        Dtype, LookupRequest, Outcome, PrefillEvent, Progress, PushFrame, PushOpen, PushReceipt, PushSeal,
         outcome::Status as OutcomeStatus, prefill_event::Event, push_frame::Frame,
     },
     shard::{self, TensorId},
     telemetry,
 };
-use tokio::{sync::mpsc, time::Instant};
+use tokio::{sync::mpsc, task::JoinHandle, time::Instant};
 use tokio_stream::wrappers::ReceiverStream;
 
 use crate::{
@@ -142,17 +142,14 @@ impl Bridge {
         let prompt = &job.token_ids[..(whole_blocks * b) as usize];
         let mut registration = self.router.register(&job.request_id, self.stream.queue_frames);
 
-        // The Push stream to the decoder, fed as blocks arrive.
-        let (frames_tx, frames_rx) = mpsc::channel::<PushFrame>(self.stream.queue_frames);
-        let mut client = decoder.client.clone();
-        let push = tokio::spawn(async move { client.push(ReceiverStream::new(frames_rx)).await });
+        // The Push streams to the decoder, fed as blocks arrive.
         let open = PushOpen {
             request_id: job.request_id.clone(),
             spec_fingerprint: decoder.spec.spec_fingerprint.clone(),
             token_ids: job.token_ids.clone(),
             first_block,
         };
-        send(&frames_tx, Frame::Open(open)).await?;
+        let mut stripes = Stripes::open(&decoder, open, self.stream.queue_frames).await?;
 
         let params = serde_json::json!({
             "request_id": job.request_id,
@@ -186,10 +183,11 @@ impl Bridge {
                             break Err(fail("plugin_error", format!("plugin sent block {index} outside {first_block}..{whole_blocks}")));
                         }
                         first_block_at.get_or_insert_with(Instant::now);
-                        match self.send_block(&frames_tx, index, &tensors, payload).await {
+                        match self.send_block(stripes.sender(index), index, &tensors, payload).await {
                             Ok(bytes) => bytes_sent += bytes,
                             Err(failure) => break Err(failure),
                         }
+                        stripes.sent(index);
                         sent_blocks += 1;
                         let elapsed = prefill_started.elapsed().as_secs_f64();
                         let eta = elapsed / sent_blocks as f64 * (num_blocks - sent_blocks) as f64;
@@ -226,21 +224,15 @@ impl Bridge {
         }
         // Seal with what was actually sent, whatever happened; the decoder
         // keeps every complete block and reports the first gap.
-        let _ = frames_tx.send(PushFrame { frame: Some(Frame::Seal(PushSeal { blocks_emitted: sent_blocks })) }).await;
-        drop(frames_tx);
-        let receipt = push
-            .await
-            .map_err(|e| fail("transfer_failed", e.to_string()))?
-            .map_err(|s| {
-                if s.code() == tonic::Code::FailedPrecondition {
-                    self.decoders.forget(&decoder.addr);
-                }
-                fail(
-                    if s.code() == tonic::Code::FailedPrecondition { "spec_mismatch" } else { "transfer_failed" },
-                    s.message().to_owned(),
-                )
-            })?
-            .into_inner();
+        let receipt = stripes.finish().await.map_err(|s| {
+            if s.code() == tonic::Code::FailedPrecondition {
+                self.decoders.forget(&decoder.addr);
+            }
+            fail(
+                if s.code() == tonic::Code::FailedPrecondition { "spec_mismatch" } else { "transfer_failed" },
+                s.message().to_owned(),
+            )
+        })?;
         if let Some(t) = first_block_at {
             stage_ms.insert("wire".into(), t.elapsed().as_secs_f64() * 1e3);
         }
@@ -316,6 +308,69 @@ impl Bridge {
             }
         }
         Ok(bytes)
+    }
+}
+
+/// One transfer's Push streams, one per connection to the decoder: block i
+/// travels on stream i mod n. Each stream opens with the whole prompt, so
+/// the decoder verifies every block's key on whichever stream it arrives.
+struct Stripes {
+    senders: Vec<mpsc::Sender<PushFrame>>,
+    /// Blocks sent on each stream, for its seal.
+    sent: Vec<u32>,
+    pushes: Vec<JoinHandle<Result<tonic::Response<PushReceipt>, tonic::Status>>>,
+}
+
+impl Stripes {
+    async fn open(decoder: &Decoder, open: PushOpen, queue_frames: usize) -> Result<Stripes, Failure> {
+        let n = decoder.push_clients.len();
+        let mut stripes = Stripes { senders: Vec::with_capacity(n), sent: vec![0; n], pushes: Vec::with_capacity(n) };
+        for client in &decoder.push_clients {
+            let (tx, rx) = mpsc::channel::<PushFrame>(queue_frames);
+            let mut client = client.clone();
+            stripes.pushes.push(tokio::spawn(async move { client.push(ReceiverStream::new(rx)).await }));
+            send(&tx, Frame::Open(open.clone())).await?;
+            stripes.senders.push(tx);
+        }
+        Ok(stripes)
+    }
+
+    fn sender(&self, block: u32) -> &mpsc::Sender<PushFrame> {
+        &self.senders[block as usize % self.senders.len()]
+    }
+
+    fn sent(&mut self, block: u32) {
+        let n = self.sent.len();
+        self.sent[block as usize % n] += 1;
+    }
+
+    /// Seals every stream with what it carried and merges the receipts; the
+    /// first failed stream's status otherwise (the others still finish).
+    async fn finish(self) -> Result<PushReceipt, tonic::Status> {
+        for (tx, &blocks_emitted) in self.senders.iter().zip(&self.sent) {
+            let _ = tx.send(PushFrame { frame: Some(Frame::Seal(PushSeal { blocks_emitted })) }).await;
+        }
+        drop(self.senders);
+        let mut merged = PushReceipt::default();
+        let mut reasons = Vec::new();
+        let mut failed = None;
+        for push in self.pushes {
+            match push.await.map_err(|e| tonic::Status::internal(e.to_string())).and_then(|r| r) {
+                Ok(receipt) => {
+                    let receipt = receipt.into_inner();
+                    merged.blocks_committed += receipt.blocks_committed;
+                    merged.bytes += receipt.bytes;
+                    // Each stream looks at the store when it ends; the last sees the most.
+                    merged.first_missing_block = merged.first_missing_block.max(receipt.first_missing_block);
+                    reasons.extend((!receipt.reason.is_empty()).then_some(receipt.reason));
+                }
+                Err(status) => {
+                    failed.get_or_insert(status);
+                }
+            }
+        }
+        merged.reason = reasons.join("; ");
+        failed.map_or(Ok(merged), Err)
     }
 }
 

@@ -2,12 +2,21 @@
 //! block) on loopback, against a real decoded with its real engine (for the
 //! spec). Reports GB/s and CPU-seconds per GB on both sides, for HTTP/2 at
 //! protocol defaults ("before") and at pd-bridge's tuned settings ("after"),
-//! across shard sizes. Payload bytes are synthetic: the store does not
-//! interpret cache values.
+//! across shard sizes and the number of connections a transfer is striped
+//! over (prefilld's `stream.connections`). Payload bytes are synthetic: the
+//! store does not interpret cache values.
 //!
 //!     cargo build --release --bins && target/release/push_throughput --out bench/results
+//!
+//! On a machine without the engines, `bench/twin_model.py` makes a model with
+//! the same cache shape (see BENCHMARKS.md).
 
-use std::{path::PathBuf, time::Instant};
+use std::{
+    fs::File,
+    io::Write,
+    path::{Path, PathBuf},
+    time::Instant,
+};
 
 use bytes::Bytes;
 use clap::Parser;
@@ -22,7 +31,7 @@ use pdbridge_common::{
 use pdbridge_tests::{Daemon, Engines, Scratch};
 use serde_json::json;
 use tokio::sync::mpsc;
-use tonic::transport::Endpoint;
+use tonic::transport::{Channel, Endpoint};
 
 #[derive(Parser)]
 struct Args {
@@ -32,9 +41,12 @@ struct Args {
     /// Tokens per block.
     #[arg(long, default_value_t = 256)]
     block_tokens: u32,
-    /// Shard payload sizes to compare, in KiB.
-    #[arg(long, value_delimiter = ',', default_value = "256,1024,4096")]
+    /// Shard payload sizes to compare, in KiB (a shard never spans tensors).
+    #[arg(long, value_delimiter = ',', default_value = "64,1024")]
     shard_kib: Vec<usize>,
+    /// Connections to stripe each transfer over, to compare.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4")]
+    connections: Vec<usize>,
     /// Where push_throughput.json goes.
     #[arg(long, default_value = "bench/results")]
     out: PathBuf,
@@ -101,75 +113,48 @@ async fn main() {
         let config = config.replacen("[store]", &format!("{http2}[store]"), 1);
         let decoded = Daemon::start("decoded", &config).await;
         decoded.wait_ready(std::time::Duration::from_secs(300)).await;
-        let channel = Endpoint::from_shared(decoded.grpc_uri())
-            .unwrap()
-            .tcp_nodelay(true)
-            .initial_stream_window_size(stream_window)
-            .initial_connection_window_size(conn_window)
-            .connect()
-            .await
-            .unwrap();
-        let mut client = CacheStoreClient::new(channel).max_encoding_message_size(64 << 20);
-        let spec = client.get_spec(GetSpecRequest {}).await.unwrap().into_inner();
+        let mut clients = Vec::new();
+        for _ in 0..args.connections.iter().copied().max().unwrap_or(1) {
+            let channel = Endpoint::from_shared(decoded.grpc_uri())
+                .unwrap()
+                .tcp_nodelay(true)
+                .initial_stream_window_size(stream_window)
+                .initial_connection_window_size(conn_window)
+                .connect()
+                .await
+                .unwrap();
+            clients.push(CacheStoreClient::new(channel).max_encoding_message_size(64 << 20));
+        }
+        let spec = clients[0].get_spec(GetSpecRequest {}).await.unwrap().into_inner();
         let template = block_data(&spec, 7);
         for &kib in &args.shard_kib {
-            let shard_bytes = kib << 10;
-            // Fresh token ids per run: nothing is already cached.
-            let base = rows.len() as u32 * 1_000_000;
-            let tokens: Vec<u32> = (0..args.blocks * args.block_tokens).map(|t| (base + t) % spec.vocab_size).collect();
-            let (tx, rx) = mpsc::channel::<PushFrame>(64);
-            let decoded_cpu_before = cpu_seconds(decoded.pid() as u32);
-            let client_cpu_before = cpu_seconds(std::process::id());
-            let started = Instant::now();
-            let mut push_client = client.clone();
-            let push =
-                tokio::spawn(async move { push_client.push(tokio_stream::wrappers::ReceiverStream::new(rx)).await });
-            let open = PushOpen {
-                request_id: format!("bench-{kib}"),
-                spec_fingerprint: spec.spec_fingerprint.clone(),
-                token_ids: tokens,
-                first_block: 0,
-            };
-            tx.send(PushFrame { frame: Some(Frame::Open(open)) }).await.unwrap();
-            let mut sent = 0u64;
-            for block in 0..args.blocks {
-                for (id, data) in &template {
-                    let id = TensorId { block_index: block, ..id.clone() };
-                    for s in shard::split(&id, data.clone(), shard_bytes) {
-                        sent += s.payload.len() as u64;
-                        tx.send(PushFrame { frame: Some(Frame::Shard(s)) }).await.unwrap();
-                    }
-                }
+            for &connections in &args.connections {
+                let run = Run { spec: &spec, template: &template, blocks: args.blocks, shard_bytes: kib << 10 };
+                let mut row = run.measure(&clients[..connections], rows.len() as u32, &decoded).await;
+                row["variant"] = json!(variant);
+                row["stream_window_bytes"] = json!(stream_window);
+                row["connection_window_bytes"] = json!(conn_window);
+                row["max_frame_bytes"] = json!(frame);
+                println!("{row}");
+                rows.push(row);
             }
-            tx.send(PushFrame { frame: Some(Frame::Seal(PushSeal { blocks_emitted: args.blocks })) }).await.unwrap();
-            drop(tx);
-            let receipt = push.await.unwrap().expect("push succeeds").into_inner();
-            let seconds = started.elapsed().as_secs_f64();
-            assert_eq!(receipt.blocks_committed, args.blocks, "{}", receipt.reason);
-            let gb = sent as f64 / 1e9;
-            let row = json!({
-                "variant": variant,
-                "stream_window_bytes": stream_window,
-                "connection_window_bytes": conn_window,
-                "max_frame_bytes": frame,
-                "shard_bytes": shard_bytes,
-                "blocks": args.blocks,
-                "payload_bytes": sent,
-                "seconds": seconds,
-                "gb_per_s": gb / seconds,
-                "gbit_per_s": gb * 8.0 / seconds,
-                "decoded_cpu_s_per_gb": (cpu_seconds(decoded.pid() as u32) - decoded_cpu_before) / gb,
-                "client_cpu_s_per_gb": (cpu_seconds(std::process::id()) - client_cpu_before) / gb,
-                "times_10gbe": gb * 8.0 / seconds / 10.0,
-            });
-            println!("{row}");
-            rows.push(row);
         }
     }
     std::fs::create_dir_all(&args.out).unwrap();
     let machine = std::fs::read_to_string("/proc/cpuinfo").ok().and_then(|c| {
         c.lines().find(|l| l.starts_with("model name")).map(|l| l.split(':').nth(1).unwrap_or("").trim().to_owned())
     });
+    // The same write pattern without decoded: what the store's file system allows.
+    let floor_dir =
+        args.store_root.clone().unwrap_or_else(std::env::temp_dir).join(format!("pdb-floor-{}", std::process::id()));
+    let block_bytes = template_bytes(&rows) as usize;
+    let floor: serde_json::Map<_, _> = [1, 8]
+        .into_iter()
+        .map(|threads| {
+            (threads.to_string(), json!(store_floor(&floor_dir, block_bytes, args.blocks as usize, threads)))
+        })
+        .collect();
+    println!("store floor GB/s by writer threads: {floor:?}");
     let result = json!({
         "benchmark": "push_throughput",
         "what": "CacheStore.Push -> verify (CRC32C, spec) -> commit (safetensors, fsync, rename) on loopback",
@@ -177,6 +162,7 @@ async fn main() {
         "cores": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
         "block_bytes": template_bytes(&rows),
         "store": args.store_root.as_ref().map_or("a temp dir on the machine's disk".to_owned(), |r| r.display().to_string()),
+        "store_floor_gb_per_s_by_threads": floor,
         "rows": rows,
     });
     if let Some(root) = &args.store_root {
@@ -185,6 +171,109 @@ async fn main() {
     let path = args.out.join(&args.name);
     std::fs::write(&path, serde_json::to_string_pretty(&result).unwrap()).unwrap();
     println!("wrote {}", path.display());
+}
+
+/// One measured transfer of `blocks` fresh blocks.
+struct Run<'a> {
+    spec: &'a CacheSpec,
+    template: &'a [(TensorId, Bytes)],
+    blocks: u32,
+    shard_bytes: usize,
+}
+
+impl Run<'_> {
+    /// Pushes the blocks striped over `clients` the way prefilld does (block
+    /// i on connection i mod n, one producer) and measures it.
+    async fn measure(&self, clients: &[CacheStoreClient<Channel>], run: u32, decoded: &Daemon) -> serde_json::Value {
+        let block_tokens = self.spec.block_tokens;
+        // Fresh token ids per run: nothing is already cached.
+        let tokens: Vec<u32> =
+            (0..self.blocks * block_tokens).map(|t| (run * 1_000_000 + t) % self.spec.vocab_size).collect();
+        let open = PushOpen {
+            request_id: format!("bench-{run}"),
+            spec_fingerprint: self.spec.spec_fingerprint.clone(),
+            token_ids: tokens,
+            first_block: 0,
+        };
+        let decoded_cpu_before = cpu_seconds(decoded.pid() as u32);
+        let client_cpu_before = cpu_seconds(std::process::id());
+        let started = Instant::now();
+        let mut senders = Vec::new();
+        let mut pushes = Vec::new();
+        for client in clients {
+            let (tx, rx) = mpsc::channel::<PushFrame>(64);
+            let mut client = client.clone();
+            pushes
+                .push(tokio::spawn(async move { client.push(tokio_stream::wrappers::ReceiverStream::new(rx)).await }));
+            tx.send(PushFrame { frame: Some(Frame::Open(open.clone())) }).await.unwrap();
+            senders.push(tx);
+        }
+        let mut sent = 0u64;
+        for block in 0..self.blocks {
+            let tx = &senders[block as usize % senders.len()];
+            for (id, data) in self.template {
+                let id = TensorId { block_index: block, ..id.clone() };
+                for s in shard::split(&id, data.clone(), self.shard_bytes) {
+                    sent += s.payload.len() as u64;
+                    tx.send(PushFrame { frame: Some(Frame::Shard(s)) }).await.unwrap();
+                }
+            }
+        }
+        for (i, tx) in senders.into_iter().enumerate() {
+            let blocks_emitted = (i as u32..self.blocks).step_by(clients.len()).count() as u32;
+            tx.send(PushFrame { frame: Some(Frame::Seal(PushSeal { blocks_emitted })) }).await.unwrap();
+        }
+        let mut committed = 0;
+        for push in pushes {
+            let receipt = push.await.unwrap().expect("push succeeds").into_inner();
+            assert!(receipt.reason.is_empty(), "{}", receipt.reason);
+            committed += receipt.blocks_committed;
+        }
+        let seconds = started.elapsed().as_secs_f64();
+        assert_eq!(committed, self.blocks);
+        let gb = sent as f64 / 1e9;
+        json!({
+            "connections": clients.len(),
+            "shard_bytes": self.shard_bytes,
+            "blocks": self.blocks,
+            "payload_bytes": sent,
+            "seconds": seconds,
+            "gb_per_s": gb / seconds,
+            "gbit_per_s": gb * 8.0 / seconds,
+            "decoded_cpu_s_per_gb": (cpu_seconds(decoded.pid() as u32) - decoded_cpu_before) / gb,
+            "client_cpu_s_per_gb": (cpu_seconds(std::process::id()) - client_cpu_before) / gb,
+            "times_10gbe": gb * 8.0 / seconds / 10.0,
+        })
+    }
+}
+
+/// The file system's own rate for the store's write pattern, no daemon:
+/// `blocks` files of `block_bytes`, each written, fsynced, renamed and its
+/// directory fsynced, by `threads` writers. No Push can beat it.
+fn store_floor(dir: &Path, block_bytes: usize, blocks: usize, threads: usize) -> f64 {
+    let (tmp, done) = (dir.join("tmp"), dir.join("blocks"));
+    std::fs::create_dir_all(&tmp).unwrap();
+    std::fs::create_dir_all(&done).unwrap();
+    let data = vec![0x5au8; block_bytes];
+    let started = Instant::now();
+    std::thread::scope(|scope| {
+        for t in 0..threads {
+            let (data, tmp, done) = (&data, &tmp, &done);
+            scope.spawn(move || {
+                for i in (t..blocks).step_by(threads) {
+                    let (partial, dest) = (tmp.join(i.to_string()), done.join(i.to_string()));
+                    let mut file = File::create(&partial).unwrap();
+                    file.write_all(data).unwrap();
+                    file.sync_all().unwrap();
+                    std::fs::rename(&partial, &dest).unwrap();
+                    File::open(done).and_then(|d| d.sync_all()).unwrap();
+                }
+            });
+        }
+    });
+    let gb_per_s = (block_bytes * blocks) as f64 / 1e9 / started.elapsed().as_secs_f64();
+    let _ = std::fs::remove_dir_all(dir);
+    gb_per_s
 }
 
 fn template_bytes(rows: &[serde_json::Value]) -> u64 {

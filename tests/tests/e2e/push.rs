@@ -150,6 +150,16 @@ async fn bad_shards_are_refused_and_committed_blocks_survive() {
         push(&mut client, seal_first.into_iter().chain(frames(open(0), Vec::new(), None)).collect()).await.unwrap_err();
     assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
 
+    // A sender keeping more blocks half-sent than the store's bound
+    // (max_open_blocks = 4) is refused; nothing of them is kept.
+    let wide: Vec<u32> = (5000..5000 + 6 * BLOCK_TOKENS).collect();
+    let half_sent: Vec<Shard> = (0..5).map(|b| block_shards(&spec, b, 4).swap_remove(0)).collect();
+    let err = push(&mut client, frames(PushOpen { token_ids: wide.clone(), ..open(0) }, half_sent, Some(5)))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::ResourceExhausted, "{err:?}");
+    assert_eq!(cached_blocks(&mut client, &wide).await, 0);
+
     // Every refusal above left nothing behind.
     assert_eq!(cached_blocks(&mut client, &tokens).await, 0);
     assert!(stray_files(&store).is_empty(), "{:?}", stray_files(&store));
@@ -182,6 +192,14 @@ async fn bad_shards_are_refused_and_committed_blocks_survive() {
     assert_eq!(err.code(), Code::InvalidArgument);
     assert_eq!(cached_blocks(&mut client, &tokens).await, 3, "block 2 committed before its duplicate arrived");
     assert!(stray_files(&store).is_empty());
+
+    // Six whole blocks in one stream: more than max_open_blocks, each commit
+    // waited for before the next block opens.
+    let shards: Vec<Shard> = (0..6).flat_map(|b| block_shards(&spec, b, 5)).collect();
+    let receipt =
+        push(&mut client, frames(PushOpen { token_ids: wide.clone(), ..open(0) }, shards, Some(6))).await.unwrap();
+    assert_eq!((receipt.blocks_committed, receipt.first_missing_block), (6, 6), "{}", receipt.reason);
+    assert_eq!(cached_blocks(&mut client, &wide).await, 6);
 
     // A restart keeps every committed block.
     decoded.terminate();
