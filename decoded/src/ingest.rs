@@ -220,6 +220,14 @@ impl Ingest {
     }
 }
 
+impl Drop for Ingest {
+    /// A Push cancelled mid-stream (the client reset it) still lands the
+    /// blocks that arrived whole: their commits are detached, not aborted.
+    fn drop(&mut self) {
+        self.committing.detach_all();
+    }
+}
+
 fn safetensors_dtype(dtype: Dtype) -> safetensors::Dtype {
     match dtype {
         Dtype::F32 => safetensors::Dtype::F32,

@@ -212,7 +212,8 @@ class PluginTest(unittest.TestCase):
     def test_5_other_chunking(self):
         """A second server with the default token budget (the prompt in one step): the blocks must
         meet the same bound. Byte identity with the 256-token schedule is reported, not required:
-        vLLM-CPU's own fp32 arithmetic depends on the step's shape (measured: not identical)."""
+        vLLM-CPU's attention sums a mid-sequence chunk's context in another order than one long
+        step (its linear layers are row-invariant; bench/fidelity.py probes both)."""
         if not hasattr(self, "blocks_a"):
             self.skipTest("needs test_1's blocks")
         self.server.stop()  # one engine at a time on this box

@@ -90,6 +90,11 @@ async fn bridged_answers_on_real_engines() {
     assert_eq!(blocks, prompt_tokens / BLOCK_TOKENS);
     let per_token = v["bytes"].as_f64().unwrap() / (blocks * BLOCK_TOKENS) as f64;
     assert!((per_token / CACHE_BYTES_PER_TOKEN - 1.0).abs() < 0.01, "payload {per_token} B/token");
+    // Striped over prefilld's two connections (stream.connections = 2): decoded finished two
+    // Push streams, each with some of the blocks.
+    let pushed = pushed_blocks_per_stream(&decoded, 2).await;
+    assert_eq!(pushed.iter().sum::<u64>(), blocks, "{pushed:?}");
+    assert!(blocks < 2 || pushed.iter().all(|&n| n > 0), "{pushed:?}");
 
     // 2. The same prompt served natively gives the same greedy answer.
     let native = chat(&decoded, &first, "native").await;
@@ -205,6 +210,25 @@ async fn bridged_answers_on_real_engines() {
 }
 
 /// Runs the `pdbridge` CLI; returns its status and stdout + stderr.
+/// Blocks committed by each Push stream decoded has finished, once `streams` have (their log
+/// lines are read from the daemon's stderr as they come).
+async fn pushed_blocks_per_stream(decoded: &Daemon, streams: usize) -> Vec<u64> {
+    for _ in 0..50 {
+        let pushed: Vec<u64> = decoded
+            .log_text()
+            .lines()
+            .filter_map(|line| serde_json::from_str::<Value>(line).ok())
+            .filter(|event| event["fields"]["message"] == "push done")
+            .filter_map(|event| event["fields"]["blocks"].as_u64())
+            .collect();
+        if pushed.len() >= streams {
+            return pushed;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("decoded did not finish {streams} Push streams:\n{}", decoded.log_text());
+}
+
 async fn run_cli(args: &[String]) -> (std::process::ExitStatus, String) {
     let output = tokio::process::Command::new(binary("pdbridge")).args(args).output().await.expect("run pdbridge");
     let text = format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
