@@ -36,6 +36,7 @@ use tonic_health::pb::{HealthCheckRequest, health_check_response::ServingStatus,
 use crate::{
     config::FrontConfig,
     engine::{Engine, EngineError, GenerateEvent, GenerateRequest, GenerateSummary, TokenizeInput},
+    inflight::{Bridges, Claim},
     store::Store,
 };
 
@@ -52,6 +53,8 @@ struct Front {
     /// How prefilld reaches this decoder's CacheStore.
     advertise_addr: String,
     prefilld: Option<Channel>,
+    /// Bridges in progress, shared by concurrent requests for the same blocks.
+    bridges: Bridges,
 }
 
 pub fn router(engine: Option<Engine>, store: Arc<Store>, config: FrontConfig, advertise_addr: String) -> Router {
@@ -62,7 +65,8 @@ pub fn router(engine: Option<Engine>, store: Arc<Store>, config: FrontConfig, ad
             None
         }
     });
-    let state = Front { engine, store, config: Arc::new(config), advertise_addr, prefilld };
+    let state =
+        Front { engine, store, config: Arc::new(config), advertise_addr, prefilld, bridges: Bridges::default() };
     Router::new()
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
@@ -384,7 +388,28 @@ impl Front {
         if mode == Mode::Native {
             return Ok(plain("native", Some("requested"), 0));
         }
-        let cached = self.store.longest_prefix(keys);
+        // A request bridging our first missing block right now is waited for,
+        // not duplicated; then the store is asked again.
+        let mut waited: Option<Instant> = None;
+        let (cached, _claim) = loop {
+            let cached = self.store.longest_prefix(keys);
+            if cached == keys.len() {
+                break (cached, None);
+            }
+            match self.bridges.claim(&keys[cached..]) {
+                Claim::Produce(claim) => break (cached, Some(claim)),
+                Claim::Wait(ended) => {
+                    waited.get_or_insert_with(Instant::now);
+                    ended.wait().await;
+                }
+            }
+        };
+        let shared = |mut plan: Plan| {
+            if let Some(since) = waited {
+                plan.verdict.timings_ms.insert("shared_bridge_wait".into(), ms(since));
+            }
+            plan
+        };
         let lookup = if cached > 0 { "hit" } else { "miss" };
         metrics::counter!("pdbridge_store_lookups_total", "outcome" => lookup).increment(1);
         let missing_tokens = (keys.len() - cached) * b;
@@ -405,7 +430,7 @@ impl Front {
                 return Err(FrontError::BridgeRequired { reason, detail: String::new() });
             }
             let outcome = if cached > 0 { "cached" } else { "native" };
-            return Ok(plain(outcome, reason, cached));
+            return Ok(shared(plain(outcome, reason, cached)));
         }
 
         let started = Instant::now();
@@ -424,7 +449,7 @@ impl Front {
                 return Err(FrontError::BridgeRequired { reason, detail: detail.clone() });
             }
         }
-        let mut plan = plain(outcome, reason, now_cached);
+        let mut plan = shared(plain(outcome, reason, now_cached));
         plan.verdict.timings_ms.insert("bridge".into(), ms(started));
         if let Ok(outcome) = bridged {
             plan.verdict.blocks = outcome.blocks_committed;

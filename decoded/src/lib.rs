@@ -5,6 +5,7 @@
 pub mod config;
 pub mod engine;
 pub mod front;
+pub mod inflight;
 pub mod ingest;
 pub mod service;
 pub mod store;

@@ -92,7 +92,9 @@ async fn bridged_answers_on_real_engines() {
     assert!((per_token / CACHE_BYTES_PER_TOKEN - 1.0).abs() < 0.01, "payload {per_token} B/token");
     // Striped over prefilld's two connections (stream.connections = 2): decoded finished two
     // Push streams, each with some of the blocks.
-    let pushed = pushed_blocks_per_stream(&decoded, 2).await;
+    let pushed: Vec<u64> =
+        logged(&decoded, "push done", 2).await.iter().filter_map(|fields| fields["blocks"].as_u64()).collect();
+    assert_eq!(pushed.len(), 2, "{pushed:?}");
     assert_eq!(pushed.iter().sum::<u64>(), blocks, "{pushed:?}");
     assert!(blocks < 2 || pushed.iter().all(|&n| n > 0), "{pushed:?}");
 
@@ -154,6 +156,20 @@ async fn bridged_answers_on_real_engines() {
     assert_eq!(repeat.verdict["blocks"], 0);
     assert_eq!(repeat.text(), bridged.text());
 
+    // 4b. Two requests for the same cold prompt at once share one prefill: one bridges, the other
+    // waits for that bridge and is served from the store.
+    let prefills_before = logged(&prefilld, "prefill done", 0).await.len();
+    let twins = user(&format!("{}\n\nList the conditions.", paragraphs[11..14].join("\n\n")));
+    let (a, b) = tokio::join!(chat(&decoded, &twins, "auto"), chat(&decoded, &twins, "auto"));
+    let (bridger, waiter) = if a.verdict["outcome"] == "bridged" { (&a, &b) } else { (&b, &a) };
+    assert_eq!(bridger.verdict["outcome"], "bridged", "{} / {}", a.verdict, b.verdict);
+    assert_eq!(waiter.verdict["outcome"], "cached", "{}", waiter.verdict);
+    assert!(waiter.verdict["timings_ms"]["shared_bridge_wait"].as_f64().is_some(), "{}", waiter.verdict);
+    assert_eq!(waiter.cached_tokens(), bridger.cached_tokens());
+    assert_eq!(waiter.text(), bridger.text());
+    let prefills = logged(&prefilld, "prefill done", prefills_before + 1).await.len();
+    assert_eq!(prefills, prefills_before + 1, "one prefill for both requests");
+
     // 5. A restarted decoded still serves every committed block.
     decoded.terminate();
     assert_eq!(decoded.wait(Duration::from_secs(60)).await.code(), Some(0));
@@ -209,26 +225,27 @@ async fn bridged_answers_on_real_engines() {
     assert_eq!(decoded.wait(Duration::from_secs(60)).await.code(), Some(0));
 }
 
-/// Runs the `pdbridge` CLI; returns its status and stdout + stderr.
-/// Blocks committed by each Push stream decoded has finished, once `streams` have (their log
-/// lines are read from the daemon's stderr as they come).
-async fn pushed_blocks_per_stream(decoded: &Daemon, streams: usize) -> Vec<u64> {
+/// The fields of `daemon`'s log events with this message, once there are at least `at_least`
+/// (log lines are read from the daemon's stderr as they come; gives up after 5 s).
+async fn logged(daemon: &Daemon, message: &str, at_least: usize) -> Vec<Value> {
+    let mut events = Vec::new();
     for _ in 0..50 {
-        let pushed: Vec<u64> = decoded
+        events = daemon
             .log_text()
             .lines()
             .filter_map(|line| serde_json::from_str::<Value>(line).ok())
-            .filter(|event| event["fields"]["message"] == "push done")
-            .filter_map(|event| event["fields"]["blocks"].as_u64())
+            .filter(|event| event["fields"]["message"] == message)
+            .map(|event| event["fields"].clone())
             .collect();
-        if pushed.len() >= streams {
-            return pushed;
+        if events.len() >= at_least {
+            break;
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    panic!("decoded did not finish {streams} Push streams:\n{}", decoded.log_text());
+    events
 }
 
+/// Runs the `pdbridge` CLI; returns its status and stdout + stderr.
 async fn run_cli(args: &[String]) -> (std::process::ExitStatus, String) {
     let output = tokio::process::Command::new(binary("pdbridge")).args(args).output().await.expect("run pdbridge");
     let text = format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
