@@ -287,9 +287,6 @@ def probe_chunking_into(out_dir: Path):
                                                   chunk_ids)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    # Results written before explanations had their own field kept them among the notes.
-    R["notes"] = [n for n in R["notes"]
-                  if not n.startswith(("Item ", "From vLLM", "max_ulp", "Reconstruction closer"))]
     explain(R)
     path.write_text(json.dumps(R, indent=2) + "\n")
     (out_dir / "fidelity.md").write_text(markdown(R))
@@ -307,7 +304,7 @@ def chunking_probes(tmp: Path, bundle: str, sha: str, chunk_ids: list[int]) -> d
 
     cfg = json.loads((support.HF_DIR / "config.json").read_text())
     gen = torch.Generator().manual_seed(0)
-    rows = {}
+    rows = []  # rows B..B+m of a whole-prompt product, recomputed in an m-token step
     for k, n in ((cfg["hidden_size"], cfg["intermediate_size"]), (cfg["intermediate_size"], cfg["hidden_size"])):
         w = torch.randn(n, k, generator=gen)
         x = torch.randn(4 * B + TAIL, k, generator=gen)
@@ -315,7 +312,7 @@ def chunking_probes(tmp: Path, bundle: str, sha: str, chunk_ids: list[int]) -> d
         whole = ops.onednn_mm(handle, x, None)
         for m in (1, 7, B, 2 * B):
             part = ops.onednn_mm(handle, x[B:B + m].contiguous(), None)
-            rows[f"{k}x{n} rows {B}..{B + m} of a {m}-token step"] = bool(torch.equal(part, whole[B:B + m]))
+            rows.append({"k": k, "n": n, "step_tokens": m, "identical": bool(torch.equal(part, whole[B:B + m]))})
     off = {"VLLM_CPU_ATTN_SPLIT_KV": "0"}
     # The 256 run bridges the prompt twice: is one schedule reproducible?
     runs = {label: vllm_blocks(tmp, prompts, bundle, sha, extra, f"nosplit-{label}", env=off)
@@ -327,7 +324,7 @@ def chunking_probes(tmp: Path, bundle: str, sha: str, chunk_ids: list[int]) -> d
         return [Path(x).read_bytes() == Path(y).read_bytes() for x, y in zip(a["files"], b["files"])]
 
     p256, pdef = runs["256"]["prompts"], runs["default"]["prompts"]
-    return {"gemm_rows_identical": rows, "gemm_rows_invariant": all(rows.values()),
+    return {"gemm_rows": rows, "gemm_rows_invariant": all(r["identical"] for r in rows),
             "split_kv_off_byte_identical_blocks": [i for i, e in enumerate(same(p256["probe"], pdef["probe"])) if e],
             "same_schedule_repeat_byte_identical": all(same(p256["probe"], p256["repeat"]))}
 
@@ -710,12 +707,12 @@ def explain(R: dict):
         same = [b["block"] for b in c["blocks"] if b["byte_identical"]]
         probes = c.get("probes", {})
         nosplit = probes.get("split_kv_off_byte_identical_blocks", [])
-        rows = probes.get("gemm_rows_identical", {})
-        differ = [k for k, same_bits in rows.items() if not same_bits]
-        chunk_sized = [k for k in rows if int(k.rsplit(" of a ", 1)[1].split("-")[0]) >= B]
+        rows = probes.get("gemm_rows", [])
+        differ = [f"{r['k']}x{r['n']} in a {r['step_tokens']}-token step" for r in rows if not r["identical"]]
+        chunk_sized = [r for r in rows if r["step_tokens"] >= B]
         gemm = (f"its fp32 linear layers (oneDNN, this model's widths) keep a token's output row "
                 f"bit-identical in steps of {B} and {2 * B} tokens at any place in the step"
-                if chunk_sized and all(rows[k] for k in chunk_sized) else
+                if chunk_sized and all(r["identical"] for r in chunk_sized) else
                 f"its fp32 linear layers (oneDNN) change a token's output row with the step size")
         gemm += f" (rows that differ: {differ or 'none'}; a 1-token step is decode, not a prefill chunk)"
         notes.append(

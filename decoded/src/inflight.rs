@@ -6,20 +6,20 @@
 
 use std::{
     collections::HashMap,
-    sync::{
-        Arc, Mutex,
-        atomic::{AtomicU64, Ordering},
-    },
+    sync::{Arc, Mutex},
 };
 
 use pdbridge_common::block::BlockKey;
 use tokio::sync::watch;
 
 #[derive(Clone, Default)]
-pub struct Bridges {
+pub struct Bridges(Arc<Mutex<State>>);
+
+#[derive(Default)]
+struct State {
     /// Block key → the claim producing it.
-    producing: Arc<Mutex<HashMap<BlockKey, Claimed>>>,
-    next_id: Arc<AtomicU64>,
+    producing: HashMap<BlockKey, Claimed>,
+    next_id: u64,
 }
 
 struct Claimed {
@@ -59,14 +59,15 @@ impl Bridges {
     /// `missing`: the keys a request lacks, in prompt order (the first is its
     /// first missing block).
     pub fn claim(&self, missing: &[BlockKey]) -> Claim {
-        let mut producing = self.producing.lock().unwrap();
-        if let Some(claimed) = missing.first().and_then(|key| producing.get(key)) {
+        let mut state = self.0.lock().unwrap();
+        if let Some(claimed) = missing.first().and_then(|key| state.producing.get(key)) {
             return Claim::Wait(Ended(claimed.ended.clone()));
         }
-        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let id = state.next_id;
+        state.next_id += 1;
         let (tx, rx) = watch::channel(());
         for key in missing {
-            producing.entry(*key).or_insert_with(|| Claimed { id, ended: rx.clone() });
+            state.producing.entry(*key).or_insert_with(|| Claimed { id, ended: rx.clone() });
         }
         Claim::Produce(Producing { bridges: self.clone(), id, keys: missing.to_vec(), _ended: tx })
     }
@@ -74,10 +75,10 @@ impl Bridges {
 
 impl Drop for Producing {
     fn drop(&mut self) {
-        let mut producing = self.bridges.producing.lock().unwrap();
+        let mut state = self.bridges.0.lock().unwrap();
         for key in &self.keys {
-            if producing.get(key).is_some_and(|claimed| claimed.id == self.id) {
-                producing.remove(key);
+            if state.producing.get(key).is_some_and(|claimed| claimed.id == self.id) {
+                state.producing.remove(key);
             }
         }
     }

@@ -150,11 +150,10 @@ impl CacheStore for CacheStoreService {
     async fn push(&self, request: Request<Streaming<PushFrame>>) -> Result<Response<PushReceipt>, Status> {
         let info = self.info()?;
         let mut frames = request.into_inner();
-        let bad = |what| status_of(&ServiceError::BadStream(what));
         let open = match frames.message().await? {
             Some(PushFrame { frame: Some(Frame::Open(open)) }) => open,
-            Some(_) => return Err(bad("the first frame of a Push must be `open`")),
-            None => return Err(bad("empty Push stream")),
+            Some(_) => return Err(bad_stream("the first frame of a Push must be `open`")),
+            None => return Err(bad_stream("empty Push stream")),
         };
         let spec = Arc::new(info.spec.clone());
         let mut ingest =
@@ -186,19 +185,23 @@ impl CacheStore for CacheStoreService {
 /// Feeds a Push stream's shards to `ingest` until its seal (returned) or its
 /// end without one (None).
 async fn receive(frames: &mut Streaming<PushFrame>, ingest: &mut Ingest) -> Result<Option<PushSeal>, Status> {
-    let bad = |what| status_of(&ServiceError::BadStream(what));
     let seal = loop {
         match frames.message().await? {
             Some(PushFrame { frame: Some(Frame::Shard(shard)) }) => {
                 ingest.accept(shard).await.map_err(|e| status_of(&e.into()))?
             }
             Some(PushFrame { frame: Some(Frame::Seal(seal)) }) => break Some(seal),
-            Some(_) => return Err(bad("a Push carries one `open`, then shards, then one `seal`")),
+            Some(_) => return Err(bad_stream("a Push carries one `open`, then shards, then one `seal`")),
             None => break None,
         }
     };
     if seal.is_some() && frames.message().await?.is_some() {
-        return Err(bad("frames after `seal`"));
+        return Err(bad_stream("frames after `seal`"));
     }
     Ok(seal)
+}
+
+/// INVALID_ARGUMENT for a Push stream that breaks the protocol.
+fn bad_stream(what: &'static str) -> Status {
+    status_of(&ServiceError::BadStream(what))
 }
