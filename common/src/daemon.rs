@@ -151,7 +151,7 @@ pub async fn serve_rpc(
     let (reflection_v1, reflection_v1alpha) = grpc::reflection();
     let routes = rpc
         .routes
-        .add_service(grpc::health(readiness, services))
+        .add_service(grpc::health(readiness, services).await)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha);
     let mut grpc_task = tokio::spawn(

@@ -41,11 +41,26 @@ pub struct StoreConfig {
     /// Blocks a single Push stream may hold partially assembled at once;
     /// bounds memory to this many blocks per stream.
     pub max_open_blocks: usize,
+    /// Push streams open at once, from all senders together: with
+    /// `max_open_blocks`, bounds ingest memory for the whole daemon. A Push
+    /// beyond it is refused with RESOURCE_EXHAUSTED.
+    pub max_push_streams: usize,
+    /// A Push stream that sends no frame for this long is cut (DEADLINE_EXCEEDED),
+    /// so idle streams cannot hold their slots forever.
+    #[serde(with = "humantime_serde")]
+    pub push_idle_timeout: Duration,
 }
 
 impl Default for StoreConfig {
     fn default() -> Self {
-        StoreConfig { dir: "var/decoded/store".into(), budget_bytes: 8 << 30, block_tokens: 256, max_open_blocks: 4 }
+        StoreConfig {
+            dir: "var/decoded/store".into(),
+            budget_bytes: 8 << 30,
+            block_tokens: 256,
+            max_open_blocks: 4,
+            max_push_streams: 32,
+            push_idle_timeout: Duration::from_secs(60),
+        }
     }
 }
 
@@ -59,6 +74,12 @@ impl Validate for StoreConfig {
         }
         if self.budget_bytes == 0 {
             return Err(ConfigError::invalid("store.budget_bytes", "must be greater than zero"));
+        }
+        if self.max_push_streams == 0 {
+            return Err(ConfigError::invalid("store.max_push_streams", "must be at least 1"));
+        }
+        if self.push_idle_timeout.is_zero() {
+            return Err(ConfigError::invalid("store.push_idle_timeout", "must be greater than zero"));
         }
         Ok(())
     }

@@ -45,6 +45,10 @@ pub enum EngineError {
     BadRequest(String),
     #[error("decode engine failed: {0}")]
     Internal(String),
+    /// A store block the request named is missing, unreadable or fails its
+    /// checksum: the store's fault, not the request's.
+    #[error("store block {block} is unusable: {message}")]
+    BlockUnusable { block: usize, message: String },
 }
 
 // ---------------------------------------------------------------------------
@@ -155,6 +159,8 @@ struct ErrorReply {
     error: String,
     #[serde(default)]
     kind: String,
+    /// With kind `block_unusable`: which of the request's blocks.
+    block: Option<usize>,
 }
 
 // ---------------------------------------------------------------------------
@@ -209,7 +215,7 @@ impl Engine {
             req: &'a GenerateRequest<'b>,
         }
         let lines = request(&self.socket, &Req { op: "generate", req }).await?;
-        Ok(Generation { lines, finished: false })
+        Ok(Generation { lines, finished: false, first: None })
     }
 }
 
@@ -217,10 +223,32 @@ impl Engine {
 pub struct Generation {
     lines: Lines<BufReader<OwnedReadHalf>>,
     finished: bool,
+    /// The first event, read ahead by [`Generation::started`].
+    first: Option<GenerateEvent>,
 }
 
 impl Generation {
+    /// Waits for the first event, which the adapter sends only after it has
+    /// restored the blocks and prefilled the rest of the prompt; an error
+    /// before it (such as an unusable block) is returned here, while the
+    /// request can still be served another way. The event stays for `next`.
+    pub async fn started(&mut self) -> Result<(), EngineError> {
+        match self.next().await {
+            Some(Ok(event)) => {
+                self.first = Some(event);
+                self.finished = false;
+                Ok(())
+            }
+            Some(Err(e)) => Err(e),
+            None => Err(EngineError::Protocol("generation ended before it started".into())),
+        }
+    }
+
     pub async fn next(&mut self) -> Option<Result<GenerateEvent, EngineError>> {
+        if let Some(event) = self.first.take() {
+            self.finished = !matches!(event, GenerateEvent::Token { .. });
+            return Some(Ok(event));
+        }
         if self.finished {
             return None;
         }
@@ -246,10 +274,10 @@ async fn next_reply<T: for<'de> Deserialize<'de>>(
     let line =
         lines.next_line().await?.ok_or_else(|| EngineError::Protocol("connection closed before a reply".into()))?;
     if let Ok(err) = serde_json::from_str::<ErrorReply>(&line) {
-        return Err(if err.kind == "bad_request" {
-            EngineError::BadRequest(err.error)
-        } else {
-            EngineError::Internal(err.error)
+        return Err(match (err.kind.as_str(), err.block) {
+            ("bad_request", _) => EngineError::BadRequest(err.error),
+            ("block_unusable", Some(block)) => EngineError::BlockUnusable { block, message: err.error },
+            _ => EngineError::Internal(err.error),
         });
     }
     serde_json::from_str(&line).map_err(|e| EngineError::Protocol(format!("{e}: {line}")))

@@ -22,7 +22,7 @@ use axum::{
 use pdbridge_common::{
     block::{self, BlockKey},
     proto::{
-        PrefillRequest, outcome::Status as OutcomeStatus, prefill_event::Event as PrefillEventKind,
+        Outcome, PrefillRequest, outcome::Status as OutcomeStatus, prefill_event::Event as PrefillEventKind,
         prefiller_client::PrefillerClient,
     },
     telemetry,
@@ -37,6 +37,7 @@ use crate::{
     config::FrontConfig,
     engine::{Engine, EngineError, GenerateEvent, GenerateRequest, GenerateSummary, TokenizeInput},
     inflight::{Bridges, Claim},
+    openai,
     store::Store,
 };
 
@@ -92,6 +93,12 @@ enum FrontError {
     /// `X-PD-Bridge-Mode: bridge` and the bridge could not be used.
     #[error("bridge required but unavailable: {reason}")]
     BridgeRequired { reason: &'static str, detail: String },
+}
+
+impl From<openai::InvalidRequest> for FrontError {
+    fn from(e: openai::InvalidRequest) -> Self {
+        FrontError::BadRequest(e.0)
+    }
 }
 
 impl From<EngineError> for FrontError {
@@ -152,6 +159,28 @@ struct Plan {
     blocks: usize,
 }
 
+impl Plan {
+    /// Restores only the first `leased` blocks (the rest were evicted since
+    /// planning), saying so in the verdict.
+    fn restrict_to(&mut self, leased: usize, total: usize, b: usize) {
+        if leased >= self.blocks {
+            return;
+        }
+        self.blocks = leased;
+        let verdict = &mut self.verdict;
+        verdict.cached_tokens = (leased * b).min(verdict.prompt_tokens as usize - 1) as u32;
+        verdict.outcome = match leased {
+            0 => "native",
+            n if n < total && verdict.outcome == "bridged" => "partial",
+            _ => verdict.outcome,
+        };
+        verdict.reason = verdict.reason.or(Some("evicted"));
+    }
+}
+
+/// Unusable store blocks one request may quarantine before it fails.
+const MAX_UNUSABLE_BLOCKS: usize = 2;
+
 // ---------------------------------------------------------------------------
 // Handlers.
 // ---------------------------------------------------------------------------
@@ -177,11 +206,8 @@ async fn tokenize(State(front): State<Front>, Json(body): Json<Value>) -> Result
 }
 
 async fn chat(State(front): State<Front>, headers: HeaderMap, Json(body): Json<Value>) -> Result<Response, FrontError> {
-    let messages = body
-        .get("messages")
-        .filter(|m| m.is_array())
-        .ok_or(FrontError::BadRequest("`messages` must be an array".into()))?;
-    let input = TokenizeInput::Chat { messages, add_generation_prompt: true };
+    let messages = openai::chat_messages(&body)?;
+    let input = TokenizeInput::Chat { messages: &messages, add_generation_prompt: true };
     front.complete(&headers, &body, input, Kind::Chat).await
 }
 
@@ -199,38 +225,6 @@ async fn completions(
 enum Kind {
     Chat,
     Text,
-}
-
-/// Sampling parameters from an OpenAI request body.
-struct Sampling {
-    max_tokens: u32,
-    temperature: f32,
-    top_p: f32,
-    seed: Option<u64>,
-    stream: bool,
-}
-
-fn sampling(body: &Value, default_max_tokens: u32) -> Result<Sampling, FrontError> {
-    let number = |key: &str| body.get(key).filter(|v| !v.is_null());
-    let bad = |key: &str, what: &str| FrontError::BadRequest(format!("`{key}` must be {what}"));
-    let max_tokens = match number("max_completion_tokens").or(number("max_tokens")) {
-        Some(v) => v.as_u64().filter(|n| *n > 0).ok_or_else(|| bad("max_tokens", "a positive integer"))? as u32,
-        None => default_max_tokens,
-    };
-    let temperature = match number("temperature") {
-        Some(v) => {
-            v.as_f64().filter(|t| (0.0..=2.0).contains(t)).ok_or_else(|| bad("temperature", "between 0 and 2"))? as f32
-        }
-        None => 1.0,
-    };
-    let top_p = match number("top_p") {
-        Some(v) => v.as_f64().filter(|p| *p > 0.0 && *p <= 1.0).ok_or_else(|| bad("top_p", "in (0, 1]"))? as f32,
-        None => 1.0,
-    };
-    let seed = number("seed").map(|v| v.as_u64().ok_or_else(|| bad("seed", "a non-negative integer"))).transpose()?;
-    let stream =
-        number("stream").map(|v| v.as_bool().ok_or_else(|| bad("stream", "a boolean"))).transpose()?.unwrap_or(false);
-    Ok(Sampling { max_tokens, temperature, top_p, seed, stream })
 }
 
 fn mode(headers: &HeaderMap) -> Result<Mode, FrontError> {
@@ -253,7 +247,7 @@ impl Front {
     ) -> Result<Response, FrontError> {
         let started = Instant::now();
         let mode = mode(headers)?;
-        let sampling = sampling(body, self.config.default_max_tokens)?;
+        let sampling = openai::sampling(body)?;
         let engine = self.engine.as_ref().ok_or(FrontError::EngineUnavailable)?;
         let _in_flight = telemetry::InFlight::enter("pdbridge_front_requests_in_flight");
         let tokens = engine.tokenize(input).await?;
@@ -263,25 +257,48 @@ impl Front {
         let tokenized_ms = ms(started);
         // One spec for the whole request: its keys plan the bridge and pick the blocks to restore.
         let info = engine.info()?;
-        let keys = block::keys(&info.spec.spec_fingerprint, &tokens, info.spec.block_tokens as usize);
-        let mut plan = self.plan(&tokens, &keys, info.spec.block_tokens as usize, mode).await?;
-        plan.verdict.timings_ms.insert("tokenize".into(), tokenized_ms);
-        let lease = self.store.lease(&keys[..plan.blocks]);
-        if lease.paths().len() < plan.blocks {
+        let max_tokens = openai::generation_budget(
+            sampling.max_tokens,
+            self.config.default_max_tokens,
+            tokens.len(),
+            info.spec.max_context,
+        )?;
+        let b = info.spec.block_tokens as usize;
+        let keys = block::keys(&info.spec.spec_fingerprint, &tokens, b);
+        // A block the adapter finds unusable (missing, rotten) is quarantined
+        // and the request planned again: bridged anew, or served without it.
+        let mut unusable = 0;
+        let (mut plan, lease, mut generation) = loop {
+            let mut plan = self.plan(&tokens, &keys, b, mode).await?;
+            let lease = self.store.lease(&keys[..plan.blocks]);
             // Evicted between planning and leasing: serve what is still there, honestly.
-            plan.blocks = lease.paths().len();
-        }
-        let request = GenerateRequest {
-            tokens: &tokens,
-            blocks: lease.paths(),
-            spec_fingerprint: &info.spec.spec_fingerprint,
-            max_tokens: sampling.max_tokens,
-            temperature: sampling.temperature,
-            top_p: sampling.top_p,
-            seed: sampling.seed,
+            plan.restrict_to(lease.paths().len(), keys.len(), b);
+            let request = GenerateRequest {
+                tokens: &tokens,
+                blocks: lease.paths(),
+                spec_fingerprint: &info.spec.spec_fingerprint,
+                max_tokens,
+                temperature: sampling.temperature,
+                top_p: sampling.top_p,
+                seed: sampling.seed,
+            };
+            // The lease lives until the generation ends: the adapter reads the
+            // block files on its own schedule, after this request is written.
+            let mut generation = engine.generate(&request).await?;
+            match generation.started().await {
+                Ok(()) => break (plan, lease, generation),
+                Err(EngineError::BlockUnusable { block, message }) if unusable < MAX_UNUSABLE_BLOCKS => {
+                    tracing::warn!(block, error = message, "quarantining an unusable store block");
+                    unusable += 1;
+                    drop(lease);
+                    if let Err(e) = self.store.quarantine_block(&keys[block]) {
+                        tracing::error!(block, error = %e, "cannot quarantine block");
+                    }
+                }
+                Err(e) => return Err(e.into()),
+            }
         };
-        let mut generation = engine.generate(&request).await?;
-        drop(lease);
+        plan.verdict.timings_ms.insert("tokenize".into(), tokenized_ms);
         let id = pdbridge_common::request_id::new("chatcmpl");
         let created = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_secs();
         let model = self.config.model_name.clone();
@@ -291,6 +308,7 @@ impl Front {
             let verdict = plan.verdict.clone();
             let (tx, rx) = tokio::sync::mpsc::channel::<Event>(16);
             tokio::spawn(async move {
+                let _lease = lease;
                 let mut first = true;
                 while let Some(event) = generation.next().await {
                     let data = match event {
@@ -346,6 +364,7 @@ impl Front {
                 None => return Err(FrontError::Engine("generation ended without a summary".into())),
             }
         };
+        drop(lease);
         plan.verdict.timings_ms.insert("total".into(), ms(started));
         for (stage, value) in &summary.timings_ms {
             plan.verdict.timings_ms.insert(format!("engine_{stage}"), *value);
@@ -439,23 +458,31 @@ impl Front {
         let (outcome, reason) = match &bridged {
             _ if now_cached == keys.len() && now_cached > cached => ("bridged", None),
             Ok(_) if now_cached > cached => ("partial", None),
-            Err((reason, _)) if now_cached > cached => ("partial", Some(*reason)),
+            Err(failure) if now_cached > cached => ("partial", Some(failure.reason)),
             Ok(_) => (if cached > 0 { "cached" } else { "native" }, Some("transfer_failed")),
-            Err((reason, _)) => (if cached > 0 { "cached" } else { "native" }, Some(*reason)),
+            Err(failure) => (if cached > 0 { "cached" } else { "native" }, Some(failure.reason)),
         };
-        if let Err((reason, detail)) = &bridged {
-            tracing::warn!(reason, detail, outcome, "bridge fell short");
+        if let Err(failure) = &bridged {
+            tracing::warn!(reason = failure.reason, detail = failure.detail, outcome, "bridge fell short");
             if mode == Mode::Bridge && outcome != "bridged" {
-                return Err(FrontError::BridgeRequired { reason, detail: detail.clone() });
+                return Err(FrontError::BridgeRequired { reason: failure.reason, detail: failure.detail.clone() });
             }
         }
         let mut plan = shared(plain(outcome, reason, now_cached));
         plan.verdict.timings_ms.insert("bridge".into(), ms(started));
-        if let Ok(outcome) = bridged {
-            plan.verdict.blocks = outcome.blocks_committed;
-            plan.verdict.bytes = outcome.bytes;
-            for (stage, value) in outcome.stage_ms {
-                plan.verdict.timings_ms.insert(format!("prefill_{stage}"), value);
+        match bridged {
+            Ok(outcome) => {
+                plan.verdict.blocks = outcome.blocks_committed;
+                plan.verdict.bytes = outcome.bytes;
+                for (stage, value) in outcome.stage_ms {
+                    plan.verdict.timings_ms.insert(format!("prefill_{stage}"), value);
+                }
+            }
+            // Blocks that landed before the fault still count: the store
+            // says which, the last progress report how many bytes were sent.
+            Err(failure) => {
+                plan.verdict.blocks = now_cached.saturating_sub(cached) as u32;
+                plan.verdict.bytes = failure.bytes_sent;
             }
         }
         Ok(plan)
@@ -473,13 +500,10 @@ impl Front {
     }
 
     /// Asks prefilld to prefill and push the missing blocks; returns its
-    /// outcome or (reason, detail).
-    async fn bridge(
-        &self,
-        tokens: &[u32],
-        first_block: u32,
-    ) -> Result<pdbridge_common::proto::Outcome, (&'static str, String)> {
-        let channel = self.prefilld.clone().ok_or(("prefill_unavailable", "no prefilld configured".to_owned()))?;
+    /// outcome or why there is none.
+    async fn bridge(&self, tokens: &[u32], first_block: u32) -> Result<Outcome, BridgeFailure> {
+        let channel =
+            self.prefilld.clone().ok_or_else(|| BridgeFailure::new("prefill_unavailable", "no prefilld configured"))?;
         let deadline = self.config.prefill_deadline_base
             + self.config.prefill_deadline_per_1k_tokens.mul_f64(tokens.len() as f64 / 1000.0);
         let request = PrefillRequest {
@@ -488,28 +512,55 @@ impl Front {
             decoder_addr: self.advertise_addr.clone(),
             first_block: Some(first_block),
         };
-        let run = async move {
+        let mut bytes_sent = 0;
+        let run = async {
             let mut events = PrefillerClient::new(channel)
                 .max_decoding_message_size(64 << 20)
                 .max_encoding_message_size(64 << 20)
                 .prefill(request)
                 .await
-                .map_err(|s| ("prefill_unavailable", s.message().to_owned()))?
+                .map_err(|s| BridgeFailure::new("prefill_unavailable", s.message()))?
                 .into_inner();
-            while let Some(event) = events.message().await.map_err(|s| ("transfer_failed", s.message().to_owned()))? {
-                if let Some(PrefillEventKind::Outcome(outcome)) = event.event {
-                    return match outcome.status() {
-                        OutcomeStatus::Bridged | OutcomeStatus::Partial => Ok(outcome),
-                        _ => Err((reason_of(&outcome.reason), outcome.reason)),
-                    };
+            while let Some(event) =
+                events.message().await.map_err(|s| BridgeFailure::new("transfer_failed", s.message()))?
+            {
+                match event.event {
+                    Some(PrefillEventKind::Progress(progress)) => bytes_sent = progress.bytes_sent,
+                    Some(PrefillEventKind::Outcome(outcome)) => {
+                        return match outcome.status() {
+                            OutcomeStatus::Bridged | OutcomeStatus::Partial => Ok(outcome),
+                            _ => {
+                                Err(BridgeFailure::new(reason_of(&outcome.reason), &outcome.reason).sent(outcome.bytes))
+                            }
+                        };
+                    }
+                    None => {}
                 }
             }
-            Err(("transfer_failed", "prefill stream ended without an outcome".to_owned()))
+            Err(BridgeFailure::new("transfer_failed", "prefill stream ended without an outcome"))
         };
-        match tokio::time::timeout(deadline, run).await {
+        let result = match tokio::time::timeout(deadline, run).await {
             Ok(result) => result,
-            Err(_) => Err(("timeout", format!("no outcome within {deadline:?}"))),
-        }
+            Err(_) => Err(BridgeFailure::new("timeout", &format!("no outcome within {deadline:?}"))),
+        };
+        result.map_err(|failure| if failure.bytes_sent == 0 { failure.sent(bytes_sent) } else { failure })
+    }
+}
+
+/// Why a bridge produced no outcome, and what it had sent by then.
+struct BridgeFailure {
+    reason: &'static str,
+    detail: String,
+    bytes_sent: u64,
+}
+
+impl BridgeFailure {
+    fn new(reason: &'static str, detail: &str) -> Self {
+        Self { reason, detail: detail.to_owned(), bytes_sent: 0 }
+    }
+
+    fn sent(self, bytes_sent: u64) -> Self {
+        Self { bytes_sent, ..self }
     }
 }
 

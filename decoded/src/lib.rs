@@ -7,6 +7,7 @@ pub mod engine;
 pub mod front;
 pub mod inflight;
 pub mod ingest;
+pub mod openai;
 pub mod service;
 pub mod store;
 
@@ -97,7 +98,7 @@ pub async fn serve(listeners: Listeners, config: Config, shutdown: Shutdown) -> 
     });
     let front = front::router(engine.clone(), store.clone(), config.front.clone(), advertise);
     let store_for_admin = store.clone();
-    let service = CacheStoreService::new(engine, store, config.store.max_open_blocks);
+    let service = CacheStoreService::new(engine, store, &config.store);
     let cache_store = CacheStoreServer::new(service)
         .max_decoding_message_size(config.server.http2.max_message_bytes)
         .max_encoding_message_size(config.server.http2.max_message_bytes);

@@ -2,7 +2,7 @@
 //! and ingest calls, and their errors into gRPC statuses (in one place,
 //! [`status_of`]).
 
-use std::{pin::Pin, sync::Arc};
+use std::{pin::Pin, sync::Arc, time::Duration};
 
 use pdbridge_common::{
     block,
@@ -13,11 +13,12 @@ use pdbridge_common::{
     shard::ShardError,
     telemetry,
 };
-use tokio::io::AsyncReadExt;
+use tokio::{io::AsyncReadExt, sync::Semaphore};
 use tokio_stream::Stream;
 use tonic::{Code, Request, Response, Status, Streaming};
 
 use crate::{
+    config::StoreConfig,
     engine::{Engine, EngineError, EngineInfo},
     ingest::{Ingest, IngestError},
     store::{Store, StoreError},
@@ -30,11 +31,22 @@ pub struct CacheStoreService {
     engine: Option<Engine>,
     store: Arc<Store>,
     max_open_blocks: usize,
+    /// One permit per open Push stream, `max_push_streams` in all.
+    push_slots: Arc<Semaphore>,
+    max_push_streams: usize,
+    push_idle_timeout: Duration,
 }
 
 impl CacheStoreService {
-    pub fn new(engine: Option<Engine>, store: Arc<Store>, max_open_blocks: usize) -> Self {
-        Self { engine, store, max_open_blocks }
+    pub fn new(engine: Option<Engine>, store: Arc<Store>, config: &StoreConfig) -> Self {
+        Self {
+            engine,
+            store,
+            max_open_blocks: config.max_open_blocks,
+            push_slots: Arc::new(Semaphore::new(config.max_push_streams)),
+            max_push_streams: config.max_push_streams,
+            push_idle_timeout: config.push_idle_timeout,
+        }
     }
 
     /// The current spec; UNAVAILABLE while the engine is down.
@@ -63,6 +75,10 @@ pub enum ServiceError {
     Ingest(#[from] IngestError),
     #[error("{0}")]
     BadStream(&'static str),
+    #[error("{limit} Push streams are already open; retry later")]
+    TooManyPushStreams { limit: usize },
+    #[error("no Push frame for {0:?}")]
+    PushIdle(Duration),
 }
 
 /// The one mapping from domain errors to gRPC status codes.
@@ -72,6 +88,8 @@ pub fn status_of(err: &ServiceError) -> Status {
         ServiceError::Engine(EngineError::BadRequest(_)) => Code::InvalidArgument,
         ServiceError::Engine(_) => Code::Internal,
         ServiceError::BadStream(_) => Code::InvalidArgument,
+        ServiceError::TooManyPushStreams { .. } => Code::ResourceExhausted,
+        ServiceError::PushIdle(_) => Code::DeadlineExceeded,
         ServiceError::Ingest(e) => match e {
             IngestError::SpecMismatch { .. } => Code::FailedPrecondition,
             IngestError::Shard { source: ShardError::Checksum { .. }, .. } => Code::DataLoss,
@@ -149,8 +167,13 @@ impl CacheStore for CacheStoreService {
 
     async fn push(&self, request: Request<Streaming<PushFrame>>) -> Result<Response<PushReceipt>, Status> {
         let info = self.info()?;
-        let mut frames = request.into_inner();
-        let open = match frames.message().await? {
+        let _slot = self
+            .push_slots
+            .clone()
+            .try_acquire_owned()
+            .map_err(|_| status_of(&ServiceError::TooManyPushStreams { limit: self.max_push_streams }))?;
+        let mut frames = Frames { inner: request.into_inner(), idle_timeout: self.push_idle_timeout };
+        let open = match frames.next().await? {
             Some(PushFrame { frame: Some(Frame::Open(open)) }) => open,
             Some(_) => return Err(bad_stream("the first frame of a Push must be `open`")),
             None => return Err(bad_stream("empty Push stream")),
@@ -182,11 +205,26 @@ impl CacheStore for CacheStoreService {
     }
 }
 
+/// A Push stream's frames, each awaited at most `idle_timeout`.
+struct Frames {
+    inner: Streaming<PushFrame>,
+    idle_timeout: Duration,
+}
+
+impl Frames {
+    async fn next(&mut self) -> Result<Option<PushFrame>, Status> {
+        match tokio::time::timeout(self.idle_timeout, self.inner.message()).await {
+            Ok(frame) => frame,
+            Err(_) => Err(status_of(&ServiceError::PushIdle(self.idle_timeout))),
+        }
+    }
+}
+
 /// Feeds a Push stream's shards to `ingest` until its seal (returned) or its
 /// end without one (None).
-async fn receive(frames: &mut Streaming<PushFrame>, ingest: &mut Ingest) -> Result<Option<PushSeal>, Status> {
+async fn receive(frames: &mut Frames, ingest: &mut Ingest) -> Result<Option<PushSeal>, Status> {
     let seal = loop {
-        match frames.message().await? {
+        match frames.next().await? {
             Some(PushFrame { frame: Some(Frame::Shard(shard)) }) => {
                 ingest.accept(shard).await.map_err(|e| status_of(&e.into()))?
             }
@@ -195,7 +233,7 @@ async fn receive(frames: &mut Streaming<PushFrame>, ingest: &mut Ingest) -> Resu
             None => break None,
         }
     };
-    if seal.is_some() && frames.message().await?.is_some() {
+    if seal.is_some() && frames.next().await?.is_some() {
         return Err(bad_stream("frames after `seal`"));
     }
     Ok(seal)

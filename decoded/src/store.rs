@@ -15,15 +15,23 @@ use std::{
     fs,
     io::Read,
     path::{Path, PathBuf},
-    sync::Mutex,
+    sync::{
+        Arc, Condvar, Mutex, MutexGuard,
+        atomic::{AtomicU64, Ordering},
+    },
 };
 
 use bytes::Bytes;
 use pdbridge_common::block::{self, BlockKey};
 use safetensors::{Dtype as StDtype, tensor::Metadata};
+use sha2::{Digest, Sha256};
 
 /// Format tag in every block file's metadata.
 pub const BLOCK_FORMAT: &str = "pdbridge-block-v1";
+/// Metadata key of the SHA-256 (hex) of the block's tensor bytes, taken
+/// tensor by tensor in name order: whoever reads the data can tell bit rot
+/// from a block (the adapter checks it before restoring).
+pub const DATA_SHA256: &str = "pdb_data_sha256";
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -126,6 +134,9 @@ struct Entry {
 #[derive(Default)]
 struct Index {
     entries: HashMap<BlockKey, Entry>,
+    /// Keys some thread is writing now: a second commit of one of them waits
+    /// for the first instead of racing it to the same file.
+    committing: std::collections::HashSet<BlockKey>,
     by_tick: BTreeMap<u64, BlockKey>,
     next_tick: u64,
     total_bytes: u64,
@@ -177,6 +188,11 @@ pub struct Store {
     root: PathBuf,
     budget_bytes: u64,
     index: Mutex<Index>,
+    /// Signalled whenever a commit ends, for commits of the same key waiting
+    /// on `Index::committing`.
+    commit_ended: Condvar,
+    /// Makes every temp file name unique within this process.
+    next_temp: AtomicU64,
 }
 
 impl Store {
@@ -192,11 +208,25 @@ impl Store {
         for entry in fs::read_dir(&tmp).map_err(io_err("list", &tmp))?.flatten() {
             let _ = fs::remove_file(entry.path());
         }
-        let store = Store { root: root.to_owned(), budget_bytes, index: Mutex::new(Index::default()) };
+        let store = Store {
+            root: root.to_owned(),
+            budget_bytes,
+            index: Mutex::new(Index::default()),
+            commit_ended: Condvar::new(),
+            next_temp: AtomicU64::new(0),
+        };
         let mut report = OpenReport::default();
         let mut found = Vec::new();
         let blocks = root.join("blocks");
         for shard_dir in fs::read_dir(&blocks).map_err(io_err("list", &blocks))?.flatten() {
+            // Anything but a directory here is not ours (a Mac's Finder drops
+            // `.DS_Store` files): set it aside rather than refuse to start.
+            if !shard_dir.file_type().is_ok_and(|t| t.is_dir()) {
+                tracing::warn!(path = %shard_dir.path().display(), "quarantining a stray entry in the block directory");
+                store.quarantine(&shard_dir.path())?;
+                report.quarantined += 1;
+                continue;
+            }
             for file in fs::read_dir(shard_dir.path()).map_err(io_err("list", &shard_dir.path()))?.flatten() {
                 let path = file.path();
                 match verify_file(&path) {
@@ -274,7 +304,7 @@ impl Store {
 
     /// Leases the longest stored prefix of `keys` for reading: those blocks
     /// cannot be evicted until the lease is dropped.
-    pub fn lease(&self, keys: &[BlockKey]) -> Lease<'_> {
+    pub fn lease(self: &Arc<Self>, keys: &[BlockKey]) -> Lease {
         let mut index = self.index.lock().unwrap();
         let mut leased = Vec::new();
         for key in keys {
@@ -286,63 +316,124 @@ impl Store {
             index.touch(key);
         }
         let paths = leased.iter().map(|k| self.path_of(k)).collect();
-        Lease { store: self, keys: leased, paths }
+        Lease { store: self.clone(), keys: leased, paths }
     }
 
     /// Writes a verified block durably and makes it visible. Blocking I/O:
-    /// call from a blocking thread. Returns the file's size in bytes.
+    /// call from a blocking thread. Returns the file's size in bytes, or 0
+    /// when the block was already stored. Commits of one key are serialized;
+    /// a failed commit leaves nothing behind (no temp file, no unindexed block).
     pub fn commit(&self, identity: &BlockIdentity, tensors: &[BlockTensor]) -> Result<u64, StoreError> {
         let key = identity.key;
         let data_bytes: u64 = tensors.iter().map(|t| t.parts.iter().map(|p| p.len() as u64).sum::<u64>()).sum();
         if data_bytes > self.budget_bytes {
             return Err(StoreError::TooLarge { bytes: data_bytes, budget: self.budget_bytes });
         }
-        if self.contains(&key) {
-            return Ok(0);
-        }
-        let tmp = self.root.join("tmp").join(format!("{}.{}.partial", key.to_hex(), std::process::id()));
-        let written = safetensors::serialize_to_file(
-            tensors.iter().map(|t| (t.name.as_str(), t)),
-            Some(identity.to_metadata()),
-            &tmp,
-        );
-        if let Err(err) = written {
-            let _ = fs::remove_file(&tmp);
-            return Err(match err {
-                safetensors::SafeTensorError::IoError(e) if e.kind() == std::io::ErrorKind::StorageFull => {
-                    StoreError::NoSpace { key }
-                }
-                other => StoreError::Encode { key, message: other.to_string() },
-            });
-        }
-        let file = fs::File::open(&tmp).map_err(io_err("open", &tmp))?;
-        file.sync_all().map_err(|e| {
-            let _ = fs::remove_file(&tmp);
-            if e.kind() == std::io::ErrorKind::StorageFull {
-                StoreError::NoSpace { key }
-            } else {
-                io_err("fsync", &tmp)(e)
+        {
+            let mut index = self.index.lock().unwrap();
+            while index.committing.contains(&key) {
+                index = self.commit_ended.wait(index).unwrap();
             }
-        })?;
-        let bytes = file.metadata().map_err(io_err("stat", &tmp))?.len();
+            if index.entries.contains_key(&key) {
+                index.touch(&key);
+                return Ok(0);
+            }
+            index.committing.insert(key);
+        }
+        let result = self.write_block(identity, tensors, data_bytes);
+        let mut index = self.index.lock().unwrap();
+        index.committing.remove(&key);
+        if let Ok(bytes) = result {
+            index.insert(key, bytes);
+            self.evict_over_budget(&mut index);
+            self.publish_usage(&index);
+        }
+        drop(index);
+        self.commit_ended.notify_all();
+        result
+    }
+
+    /// Temp file, fsync, rename, directory fsync. The caller holds the key's
+    /// commit slot.
+    fn write_block(
+        &self,
+        identity: &BlockIdentity,
+        tensors: &[BlockTensor],
+        data_bytes: u64,
+    ) -> Result<u64, StoreError> {
+        let key = identity.key;
+        self.make_room(data_bytes, &key)?;
+        let serial = self.next_temp.fetch_add(1, Ordering::Relaxed);
+        let tmp =
+            TempFile(self.root.join("tmp").join(format!("{}.{}.{serial}.partial", key.to_hex(), std::process::id())));
+        let no_space = |e: &std::io::Error| e.kind() == std::io::ErrorKind::StorageFull;
+        let mut metadata = identity.to_metadata();
+        metadata.insert(DATA_SHA256.to_owned(), data_digest(tensors));
+        safetensors::serialize_to_file(tensors.iter().map(|t| (t.name.as_str(), t)), Some(metadata), &tmp.0).map_err(
+            |err| match err {
+                safetensors::SafeTensorError::IoError(e) if no_space(&e) => StoreError::NoSpace { key },
+                other => StoreError::Encode { key, message: other.to_string() },
+            },
+        )?;
+        let file = fs::File::open(&tmp.0).map_err(io_err("open", &tmp.0))?;
+        file.sync_all()
+            .map_err(|e| if no_space(&e) { StoreError::NoSpace { key } } else { io_err("fsync", &tmp.0)(e) })?;
+        let bytes = file.metadata().map_err(io_err("stat", &tmp.0))?.len();
         let dest = self.path_of(&key);
         let dir = dest.parent().expect("block paths have a parent");
         fs::create_dir_all(dir).map_err(io_err("create", dir))?;
-        fs::rename(&tmp, &dest).map_err(io_err("rename", &tmp))?;
-        // The rename is durable only once its directory is.
-        fs::File::open(dir).and_then(|d| d.sync_all()).map_err(io_err("fsync", dir))?;
-        let mut index = self.index.lock().unwrap();
-        index.insert(key, bytes);
-        let evicted = self.evict_over_budget(&mut index);
-        self.publish_usage(&index);
-        drop(index);
-        for key in evicted {
-            let path = self.path_of(&key);
-            if let Err(err) = fs::remove_file(&path) {
-                tracing::warn!(path = %path.display(), error = %err, "cannot remove evicted block");
-            }
+        fs::rename(&tmp.0, &dest).map_err(io_err("rename", &tmp.0))?;
+        std::mem::forget(tmp);
+        // The rename is durable only once its directory is; a block that may
+        // not survive a crash is taken back rather than served.
+        if let Err(e) = fs::File::open(dir).and_then(|d| d.sync_all()) {
+            let _ = fs::remove_file(&dest);
+            return Err(io_err("fsync", dir)(e));
         }
         Ok(bytes)
+    }
+
+    /// Evicts cold blocks until the file system has room for `bytes` more
+    /// (the byte budget alone does not know what else fills the disk).
+    fn make_room(&self, bytes: u64, key: &BlockKey) -> Result<(), StoreError> {
+        // Headroom for the header and for whatever else writes meanwhile.
+        let needed = bytes + bytes / 16 + (1 << 20);
+        loop {
+            match free_bytes(&self.root) {
+                Some(free) if free < needed => {}
+                _ => return Ok(()),
+            }
+            let mut index = self.index.lock().unwrap();
+            let Some(cold) = index.coldest_unleased() else { return Err(StoreError::NoSpace { key: *key }) };
+            self.remove_block(&mut index, &cold);
+            self.publish_usage(&index);
+            metrics::counter!("pdbridge_store_evictions_total").increment(1);
+        }
+    }
+
+    /// Forgets a block and deletes its file, under the index lock so a
+    /// concurrent commit of the same key cannot have its fresh file deleted.
+    fn remove_block(&self, index: &mut MutexGuard<'_, Index>, key: &BlockKey) {
+        index.remove(key);
+        let path = self.path_of(key);
+        if let Err(err) = fs::remove_file(&path) {
+            tracing::warn!(path = %path.display(), error = %err, "cannot remove evicted block");
+        }
+    }
+
+    /// Takes a stored block out of service (its file failed a reader's
+    /// checks): forgotten by the index, its file moved to `quarantine/` for a
+    /// post-mortem. The next request for it bridges it again.
+    pub fn quarantine_block(&self, key: &BlockKey) -> Result<(), StoreError> {
+        let mut index = self.index.lock().unwrap();
+        index.remove(key);
+        self.publish_usage(&index);
+        metrics::counter!("pdbridge_store_quarantined_total").increment(1);
+        let path = self.path_of(key);
+        match self.quarantine(&path) {
+            Err(StoreError::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            other => other,
+        }
     }
 
     /// `pdbridge_store_blocks` and `pdbridge_store_bytes`.
@@ -351,17 +442,37 @@ impl Store {
         metrics::gauge!("pdbridge_store_bytes").set(index.total_bytes as f64);
     }
 
-    fn evict_over_budget(&self, index: &mut Index) -> Vec<BlockKey> {
-        let mut evicted = Vec::new();
+    fn evict_over_budget(&self, index: &mut MutexGuard<'_, Index>) {
+        let mut evicted = 0;
         while index.total_bytes > self.budget_bytes {
             let Some(key) = index.coldest_unleased() else { break };
-            index.remove(&key);
-            evicted.push(key);
+            self.remove_block(index, &key);
+            evicted += 1;
         }
-        if !evicted.is_empty() {
-            metrics::counter!("pdbridge_store_evictions_total").increment(evicted.len() as u64);
+        if evicted > 0 {
+            metrics::counter!("pdbridge_store_evictions_total").increment(evicted);
         }
-        evicted
+    }
+}
+
+/// See [`DATA_SHA256`].
+fn data_digest(tensors: &[BlockTensor]) -> String {
+    let mut by_name: Vec<&BlockTensor> = tensors.iter().collect();
+    by_name.sort_by(|a, b| a.name.cmp(&b.name));
+    let mut hasher = Sha256::new();
+    for part in by_name.iter().flat_map(|t| &t.parts) {
+        hasher.update(part);
+    }
+    hex::encode(hasher.finalize())
+}
+
+/// A temp file removed on drop unless it was renamed into place
+/// (`mem::forget`), so no error path leaves one behind.
+struct TempFile(PathBuf);
+
+impl Drop for TempFile {
+    fn drop(&mut self) {
+        let _ = fs::remove_file(&self.0);
     }
 }
 
@@ -381,20 +492,20 @@ fn free_bytes(path: &Path) -> Option<u64> {
 }
 
 /// Blocks held for a reader; see [`Store::lease`].
-pub struct Lease<'a> {
-    store: &'a Store,
+pub struct Lease {
+    store: Arc<Store>,
     keys: Vec<BlockKey>,
     paths: Vec<PathBuf>,
 }
 
-impl Lease<'_> {
+impl Lease {
     /// Files of the leased blocks, in prompt order.
     pub fn paths(&self) -> &[PathBuf] {
         &self.paths
     }
 }
 
-impl Drop for Lease<'_> {
+impl Drop for Lease {
     fn drop(&mut self) {
         let mut index = self.store.index.lock().unwrap();
         for key in &self.keys {
@@ -516,6 +627,7 @@ mod tests {
             store.commit(&b0, &t0).unwrap()
         };
         let (store, _) = Store::open(&dir.0.join("main"), 2 * probe_size + probe_size / 2).unwrap();
+        let store = Arc::new(store);
         let (b1, t1) = block("s", b0.key, 1, 2);
         let (b2, t2) = block("s", b1.key, 2, 3);
         store.commit(&b0, &t0).unwrap();
@@ -537,5 +649,72 @@ mod tests {
         let (b0, t0) = block("s", BlockKey::ROOT, 0, 1);
         assert!(matches!(store.commit(&b0, &t0), Err(StoreError::TooLarge { .. })));
         assert_eq!(store.usage(), (0, 0));
+    }
+
+    #[test]
+    fn concurrent_commits_of_one_block_all_succeed_and_store_it_once() {
+        let dir = temp_dir("race");
+        let (store, _) = Store::open(&dir.0, 1 << 20).unwrap();
+        let (b0, t0) = block("s", BlockKey::ROOT, 0, 1);
+        let sizes: Vec<u64> = std::thread::scope(|scope| {
+            let commits: Vec<_> = (0..24).map(|_| scope.spawn(|| store.commit(&b0, &t0).unwrap())).collect();
+            commits.into_iter().map(|c| c.join().unwrap()).collect()
+        });
+        assert_eq!(sizes.iter().filter(|&&n| n > 0).count(), 1, "exactly one commit writes: {sizes:?}");
+        assert_eq!(store.usage(), (1, sizes.iter().sum()));
+        assert_eq!(fs::read_dir(dir.0.join("tmp")).unwrap().count(), 0, "no temp file left");
+        drop(store);
+        let (_, report) = Store::open(&dir.0, 1 << 20).unwrap();
+        assert_eq!((report.blocks, report.quarantined), (1, 0));
+    }
+
+    #[test]
+    fn a_failed_commit_leaves_no_temp_file_and_indexes_nothing() {
+        let dir = temp_dir("failed");
+        let (store, _) = Store::open(&dir.0, 1 << 20).unwrap();
+        let (b0, t0) = block("s", BlockKey::ROOT, 0, 1);
+        // The block's fan-out directory cannot be created: a file holds its name.
+        let fan_out = store.path_of(&b0.key).parent().unwrap().to_owned();
+        fs::write(&fan_out, b"in the way").unwrap();
+        assert!(matches!(store.commit(&b0, &t0), Err(StoreError::Io { op: "create", .. })));
+        assert_eq!(store.usage(), (0, 0));
+        assert_eq!(fs::read_dir(dir.0.join("tmp")).unwrap().count(), 0, "no temp file left");
+        // Once the obstacle is gone the same block commits.
+        fs::remove_file(&fan_out).unwrap();
+        assert!(store.commit(&b0, &t0).unwrap() > 0);
+    }
+
+    #[test]
+    fn stray_files_in_the_block_directory_do_not_stop_the_store() {
+        let dir = temp_dir("stray");
+        let (store, _) = Store::open(&dir.0, 1 << 20).unwrap();
+        let (b0, t0) = block("s", BlockKey::ROOT, 0, 1);
+        store.commit(&b0, &t0).unwrap();
+        let fan_out = store.path_of(&b0.key).parent().unwrap().to_owned();
+        drop(store);
+        fs::write(dir.0.join("blocks").join(".DS_Store"), b"finder").unwrap();
+        fs::write(fan_out.join(".DS_Store"), b"finder").unwrap();
+        let (store, report) = Store::open(&dir.0, 1 << 20).unwrap();
+        assert_eq!((report.blocks, report.quarantined), (1, 2));
+        assert!(store.contains(&b0.key));
+    }
+
+    #[test]
+    fn block_files_carry_the_digest_of_their_tensor_bytes() {
+        let dir = temp_dir("digest");
+        let (store, _) = Store::open(&dir.0, 1 << 20).unwrap();
+        let (b0, t0) = block("s", BlockKey::ROOT, 0, 1);
+        store.commit(&b0, &t0).unwrap();
+        let data = fs::read(store.path_of(&b0.key)).unwrap();
+        let (_, header) = safetensors::SafeTensors::read_metadata(&data).unwrap();
+        let recorded = header.metadata().as_ref().unwrap()[DATA_SHA256].clone();
+        let file = safetensors::SafeTensors::deserialize(&data).unwrap();
+        let mut names = file.names();
+        names.sort();
+        let mut hasher = Sha256::new();
+        for name in names {
+            hasher.update(file.tensor(name).unwrap().data());
+        }
+        assert_eq!(recorded, hex::encode(hasher.finalize()));
     }
 }

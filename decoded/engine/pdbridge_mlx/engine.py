@@ -25,12 +25,15 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
-from .errors import BadRequest, Cancelled, StartupError
-from .safetensors_io import dtype_name, serialize, write_atomic
+from .errors import BadRequest, BlockUnusable, Cancelled, StartupError
+from .safetensors_io import dtype_name, serialize, tensor_bytes, write_atomic
 
 log = logging.getLogger("pdbridge_mlx")
 
 BLOCK_FORMAT = "pdbridge-block-v1"
+# Block metadata: SHA-256 of the tensors' bytes, tensor by tensor in name order
+# (written by decoded's store).
+DATA_SHA256 = "pdb_data_sha256"
 BUNDLE_FORMAT = "pdbridge-bundle-v1"
 # generate_step's and mlx_lm.server's default; export must chunk exactly as a
 # native generation would so its blocks are the decoder's own cache.
@@ -407,6 +410,7 @@ class Engine:
                 "pdb_key": keys[i] if keys else "",
                 "pdb_parent": (keys[i - 1] if i else ROOT_KEY) if keys else "",
                 "pdb_token_ids": ",".join(map(str, tokens[lo:hi])),
+                DATA_SHA256: _data_sha256(dict(tensors)),
             }
             path = os.path.join(os.path.abspath(out_dir), f"block-{i:06}.safetensors")
             write_atomic(path, serialize(tensors, metadata))
@@ -459,11 +463,13 @@ class Engine:
         any mismatch is a bad request, never a silent native fallback."""
         where = f"block {index} ({path})"
         if not os.path.isfile(path):
-            raise BadRequest(f"{where}: no such file")
+            raise BlockUnusable(index, f"{where}: no such file")
         try:
             arrays, meta = mx.load(path, format="safetensors", return_metadata=True)
         except Exception as e:
-            raise BadRequest(f"{where}: not a readable safetensors file: {e}") from e
+            raise BlockUnusable(index, f"{where}: not a readable safetensors file: {e}") from e
+        if (recorded := meta.get(DATA_SHA256)) is not None and recorded != _data_sha256(arrays):
+            raise BlockUnusable(index, f"{where}: tensor bytes fail their checksum")
         B = self.block_tokens
         expect_meta = {"format": BLOCK_FORMAT, "pdb_block": str(index), "pdb_tokens": str(B)}
         if spec_fp is not None:
@@ -489,6 +495,13 @@ class Engine:
                     f"expected {dtype_name(self.cache_dtype)} {list(shape)}"
                 )
         return arrays
+
+
+def _data_sha256(arrays: dict[str, mx.array]) -> str:
+    digest = hashlib.sha256()
+    for name in sorted(arrays):
+        digest.update(tensor_bytes(arrays[name]))
+    return digest.hexdigest()
 
 
 def _dtype_str(dtype: mx.Dtype) -> str:

@@ -12,3 +12,13 @@ class StartupError(Exception):
 
 class Cancelled(Exception):
     """The client went away or the adapter is shutting down."""
+
+
+class BlockUnusable(Exception):
+    """A store block file is missing, unreadable or fails its checksum: the
+    store's problem, not the request's. decoded quarantines the block and
+    serves the request again without it."""
+
+    def __init__(self, index: int, message: str):
+        super().__init__(message)
+        self.index = index

@@ -21,7 +21,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from .errors import BadRequest, Cancelled, StartupError
+from .errors import BadRequest, BlockUnusable, Cancelled, StartupError
 
 log = logging.getLogger("pdbridge_mlx")
 
@@ -108,6 +108,9 @@ class Handler:
             except BadRequest as e:
                 log.warning("op=%s bad_request: %s", op, e)
                 self._send_error(conn, str(e), "bad_request")
+            except BlockUnusable as e:
+                log.warning("op=%s block_unusable: %s", op, e)
+                self._send_error(conn, str(e), "block_unusable", block=e.index)
             except Cancelled as e:
                 log.info("op=%s cancelled: %s", op, e)
             except Exception as e:
@@ -149,9 +152,9 @@ class Handler:
         raise BadRequest(f"unknown op {op!r} (expected info, tokenize, generate or export)")
 
     @staticmethod
-    def _send_error(conn: socket.socket, message: str, kind: str) -> None:
+    def _send_error(conn: socket.socket, message: str, kind: str, **extra) -> None:
         try:
-            _send(conn, {"error": message, "kind": kind})
+            _send(conn, {"error": message, "kind": kind, **extra})
         except OSError:
             pass
 

@@ -296,10 +296,12 @@ class AdapterTest(unittest.TestCase):
     # ------------------------------------------------- refusals (no model work)
 
     def _tampered(self, name: str, change) -> str:
-        """A copy of block 0 with `change(arrays)` applied."""
+        """A copy of block 0 with `change(arrays)` applied and no checksum, so
+        the checks after the checksum are what refuses it."""
         import mlx.core as mx
 
         arrays, meta = mx.load(self.export["files"][0], return_metadata=True)
+        meta.pop("pdb_data_sha256")
         change(arrays)
         path = os.path.join(self.tmp.name, f"{name}.safetensors")
         mx.save_safetensors(path, arrays, metadata=meta)
@@ -333,8 +335,27 @@ class AdapterTest(unittest.TestCase):
         self.assert_bad_request(lines, "other tokens")
         lines = self.adapter.request({"op": "generate", "tokens": self.tokens[:BLOCK], "blocks": files[:2]})
         self.assert_bad_request(lines, "cover more than")
-        lines = self.adapter.request({"op": "generate", "tokens": self.tokens, "blocks": ["/nonexistent/b"]})
-        self.assert_bad_request(lines, "no such file")
+
+    def assert_block_unusable(self, lines: list[dict], block: int, needle: str):
+        self.assertEqual(len(lines), 1, lines)
+        self.assertEqual((lines[0].get("kind"), lines[0].get("block")), ("block_unusable", block), lines)
+        self.assertIn(needle, lines[0]["error"])
+
+    def test_a_missing_or_rotten_block_is_named_as_unusable(self):
+        files = self.export["files"]
+        lines = self.adapter.request({"op": "generate", "tokens": self.tokens, "blocks": [files[0], "/nonexistent/b"]})
+        self.assert_block_unusable(lines, 1, "no such file")
+        # One flipped bit in the last tensor byte: the file still parses.
+        rotten = os.path.join(self.tmp.name, "rotten.safetensors")
+        data = bytearray(Path(files[1]).read_bytes())
+        data[-1] ^= 0x01
+        Path(rotten).write_bytes(bytes(data))
+        lines = self.adapter.request({"op": "generate", "tokens": self.tokens, "blocks": [files[0], rotten]})
+        self.assert_block_unusable(lines, 1, "checksum")
+        truncated = os.path.join(self.tmp.name, "truncated.safetensors")
+        Path(truncated).write_bytes(bytes(data[: len(data) // 2]))
+        lines = self.adapter.request({"op": "generate", "tokens": self.tokens, "blocks": [truncated]})
+        self.assert_block_unusable(lines, 0, "not a readable safetensors file")
 
     def test_bad_requests(self):
         self.assert_bad_request(self.adapter.request(b"{not json\n"), "not JSON")

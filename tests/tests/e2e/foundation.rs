@@ -1,7 +1,7 @@
 //! The daemons as processes: config errors, admin endpoints, gRPC health and
 //! reflection over the wire, and shutdown on SIGTERM.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use pdbridge_tests::{Daemon, loopback_config, run_to_exit};
 use tokio_stream::StreamExt;
@@ -130,11 +130,9 @@ async fn sigterm_exits_0_after_draining_within_the_deadline() {
     for (name, _) in DAEMONS {
         // An idle daemon exits at once.
         let mut daemon = Daemon::start(name, &loopback_config(name, "20s")).await;
-        let t0 = Instant::now();
         daemon.terminate();
         let status = daemon.wait(Duration::from_secs(15)).await;
         assert_eq!(status.code(), Some(0), "{name}: {}", daemon.log_text());
-        assert!(t0.elapsed() < Duration::from_secs(15));
 
         // A stream that never ends (a health Watch) is cut at the drain deadline.
         let mut daemon = Daemon::start(name, &loopback_config(name, "2s")).await;

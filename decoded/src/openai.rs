@@ -1,0 +1,199 @@
+//! The OpenAI request wire format: what the front door accepts, checked
+//! before anything reaches the engine, so a client's mistake is a 400 that
+//! names the field, never an engine error.
+
+use serde_json::{Map, Value};
+
+/// A request the front door refuses; the message names the field.
+#[derive(Debug, thiserror::Error, PartialEq)]
+#[error("{0}")]
+pub struct InvalidRequest(pub String);
+
+fn invalid(message: impl Into<String>) -> InvalidRequest {
+    InvalidRequest(message.into())
+}
+
+/// Roles the chat templates know.
+const ROLES: &[&str] = &["system", "developer", "user", "assistant", "tool"];
+
+/// Checks a chat's `messages` and returns them in the form chat templates
+/// take: list-form content (`[{"type": "text", "text": …}, …]`) becomes the
+/// concatenation of its text parts, as mlx-lm's own server does.
+pub fn chat_messages(body: &Value) -> Result<Value, InvalidRequest> {
+    let messages =
+        body.get("messages").and_then(Value::as_array).ok_or_else(|| invalid("`messages` must be an array"))?;
+    if messages.is_empty() {
+        return Err(invalid("`messages` must not be empty"));
+    }
+    messages.iter().enumerate().map(|(i, m)| message(i, m)).collect::<Result<Vec<_>, _>>().map(Value::Array)
+}
+
+fn message(i: usize, message: &Value) -> Result<Value, InvalidRequest> {
+    let at = |what: &str| invalid(format!("`messages[{i}]`{what}"));
+    let object = message.as_object().ok_or_else(|| at(" must be an object"))?;
+    let role = object.get("role").and_then(Value::as_str).ok_or_else(|| at(".role must be a string"))?;
+    if !ROLES.contains(&role) {
+        return Err(at(&format!(".role must be one of {}, not {role:?}", ROLES.join(", "))));
+    }
+    let content = match object.get("content") {
+        // An assistant turn that only called tools; templates take "", as in mlx-lm's server.
+        None | Some(Value::Null) if role == "assistant" => Value::String(String::new()),
+        Some(Value::String(text)) => Value::String(text.clone()),
+        Some(Value::Array(parts)) => Value::String(text_parts(i, parts)?),
+        _ => return Err(at(".content must be a string or a list of text parts")),
+    };
+    let mut normalized: Map<String, Value> = object.clone();
+    normalized.insert("content".into(), content);
+    Ok(Value::Object(normalized))
+}
+
+fn text_parts(i: usize, parts: &[Value]) -> Result<String, InvalidRequest> {
+    let mut text = String::new();
+    for (j, part) in parts.iter().enumerate() {
+        let at = |what: &str| invalid(format!("`messages[{i}].content[{j}]`{what}"));
+        match part.get("type").and_then(Value::as_str) {
+            Some("text") => {
+                text.push_str(part.get("text").and_then(Value::as_str).ok_or_else(|| at(".text must be a string"))?)
+            }
+            Some(other) => return Err(at(&format!(" is a {other:?} part; only text parts are supported"))),
+            None => return Err(at(".type must be a string")),
+        }
+    }
+    Ok(text)
+}
+
+/// Sampling parameters of a request.
+#[derive(Debug, PartialEq)]
+pub struct Sampling {
+    /// `None`: as many as the context leaves, up to the configured default.
+    pub max_tokens: Option<u32>,
+    pub temperature: f32,
+    pub top_p: f32,
+    pub seed: Option<u64>,
+    pub stream: bool,
+}
+
+pub fn sampling(body: &Value) -> Result<Sampling, InvalidRequest> {
+    let field = |key: &str| body.get(key).filter(|v| !v.is_null());
+    let bad = |key: &str, what: &str| invalid(format!("`{key}` must be {what}"));
+    let max_tokens = match field("max_completion_tokens")
+        .map(|v| ("max_completion_tokens", v))
+        .or(field("max_tokens").map(|v| ("max_tokens", v)))
+    {
+        Some((key, v)) => Some(
+            v.as_u64()
+                .filter(|n| *n > 0)
+                .and_then(|n| u32::try_from(n).ok())
+                .ok_or_else(|| bad(key, "a positive integer below 2^32"))?,
+        ),
+        None => None,
+    };
+    let temperature = match field("temperature") {
+        Some(v) => {
+            v.as_f64().filter(|t| (0.0..=2.0).contains(t)).ok_or_else(|| bad("temperature", "between 0 and 2"))? as f32
+        }
+        None => 1.0,
+    };
+    let top_p = match field("top_p") {
+        Some(v) => v.as_f64().filter(|p| *p > 0.0 && *p <= 1.0).ok_or_else(|| bad("top_p", "in (0, 1]"))? as f32,
+        None => 1.0,
+    };
+    let seed = field("seed").map(|v| v.as_u64().ok_or_else(|| bad("seed", "a non-negative integer"))).transpose()?;
+    let stream =
+        field("stream").map(|v| v.as_bool().ok_or_else(|| bad("stream", "a boolean"))).transpose()?.unwrap_or(false);
+    Ok(Sampling { max_tokens, temperature, top_p, seed, stream })
+}
+
+/// The tokens to generate for a prompt of `prompt_tokens` in a context of
+/// `max_context`: the request's own `max_tokens` if the context holds it (a
+/// 400 otherwise, as OpenAI answers), else the default clipped to the room left.
+pub fn generation_budget(
+    requested: Option<u32>,
+    default: u32,
+    prompt_tokens: usize,
+    max_context: u32,
+) -> Result<u32, InvalidRequest> {
+    let room = (max_context as usize).saturating_sub(prompt_tokens);
+    if room == 0 {
+        return Err(invalid(format!(
+            "the prompt is {prompt_tokens} tokens; this model's context is {max_context} tokens (context_length_exceeded)"
+        )));
+    }
+    match requested {
+        Some(n) if n as usize > room => Err(invalid(format!(
+            "the prompt ({prompt_tokens} tokens) plus `max_tokens` ({n}) exceeds this model's context of {max_context} tokens (context_length_exceeded)"
+        ))),
+        Some(n) => Ok(n),
+        None => Ok(default.min(room as u32)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    #[test]
+    fn client_mistakes_in_messages_are_named() {
+        let cases = [
+            (json!({}), "`messages` must be an array"),
+            (json!({"messages": []}), "must not be empty"),
+            (json!({"messages": ["hi"]}), "`messages[0]` must be an object"),
+            (json!({"messages": [{"content": "hi"}]}), "`messages[0]`.role"),
+            (json!({"messages": [{"role": "wizard", "content": "hi"}]}), "not \"wizard\""),
+            (json!({"messages": [{"role": "user", "content": 7}]}), "`messages[0]`.content"),
+            (json!({"messages": [{"role": "user"}]}), "`messages[0]`.content"),
+            (
+                json!({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}),
+                "`messages[0].content[0]` is a \"image_url\" part",
+            ),
+            (json!({"messages": [{"role": "user", "content": [{"type": "text"}]}]}), "content[0]`.text"),
+        ];
+        for (body, want) in cases {
+            let err = chat_messages(&body).unwrap_err();
+            assert!(err.0.contains(want), "{body}: {err} lacks {want:?}");
+        }
+    }
+
+    #[test]
+    fn list_form_content_becomes_its_text() {
+        let body = json!({"messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": "Hello, "}, {"type": "text", "text": "world"}], "name": "x"},
+            {"role": "assistant", "content": null, "tool_calls": []},
+        ]});
+        assert_eq!(
+            chat_messages(&body).unwrap(),
+            json!([
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Hello, world", "name": "x"},
+                {"role": "assistant", "content": "", "tool_calls": []},
+            ])
+        );
+    }
+
+    #[test]
+    fn max_tokens_out_of_range_is_refused_not_truncated() {
+        for bad in [json!(0), json!(-1), json!(1.5), json!("8"), json!(4_294_967_299u64)] {
+            let err = sampling(&json!({"max_tokens": bad})).unwrap_err();
+            assert!(err.0.contains("`max_tokens`"), "{bad}: {err}");
+        }
+        let err = sampling(&json!({"max_completion_tokens": 0})).unwrap_err();
+        assert!(err.0.contains("`max_completion_tokens`"), "{err}");
+        assert_eq!(sampling(&json!({"max_tokens": 7})).unwrap().max_tokens, Some(7));
+        assert_eq!(sampling(&json!({"max_tokens": null})).unwrap().max_tokens, None);
+    }
+
+    #[test]
+    fn the_context_bounds_prompt_and_generation() {
+        assert_eq!(generation_budget(None, 256, 100, 8192), Ok(256));
+        assert_eq!(generation_budget(None, 256, 8000, 8192), Ok(192));
+        assert_eq!(generation_budget(Some(192), 256, 8000, 8192), Ok(192));
+        let err = generation_budget(Some(193), 256, 8000, 8192).unwrap_err();
+        assert!(err.0.contains("context_length_exceeded"), "{err}");
+        let err = generation_budget(None, 256, 11_117, 8192).unwrap_err();
+        assert!(err.0.contains("11117 tokens"), "{err}");
+        assert!(generation_budget(Some(1), 256, 8192, 8192).is_err());
+    }
+}
