@@ -688,7 +688,7 @@ def explain(R: dict):
             f"tokens) through the plugin's Bundle.reconstruct: {s['tensors_exact']}/{s['tensors_total']} "
             "K/V tensors bit-exact. Same MLX ops (fast.rms_norm, quantized_matmul, fast.rope) on the same "
             "inputs; MLX's CPU kernels are per-token and per-output sequential, so block offset and "
-            "chunking do not change the bits (ENGINES.md 4.1).")
+            "chunking do not change the bits.")
     if "bridged_vs_native_kv_probe" in R:
         s = R["bridged_vs_native_kv_probe"]
         notes.append(
@@ -728,7 +728,7 @@ def explain(R: dict):
             "longer step. No public vLLM knob fixes that order. One schedule is reproducible: the same prompt "
             f"bridged twice at 256 tokens per step gave byte-identical blocks: "
             f"{probes.get('same_schedule_repeat_byte_identical')}. The decoder's own "
-            "CPU prefill, by contrast, is chunk-independent (ENGINES.md 4.1).")
+            "CPU prefill, by contrast, is chunk-independent.")
     if R.get("prompts"):
         notes.append(
             f"Item 4: bridged = the plugin's blocks (vLLM fp32, default chunking) restored into the decoder's "
@@ -744,7 +744,7 @@ def explain(R: dict):
             f"{R['baseline_kl_mean']:.3e}; K/V max rel {R['kv_max_rel']:.2e} vs {R['baseline_kv_max_rel']:.2e}. "
             "Here the prefill weights ARE the decoder's weights (dequantized bit-exactly), so plain transfer "
             "differs from native only by arithmetic (summation order, RoPE formula); with the original "
-            "checkpoint instead, the gap would be the quantization gap (ENGINES.md 4.4).")
+            "checkpoint instead, the gap would be the quantization gap.")
 
 
 def markdown(R: dict) -> str:

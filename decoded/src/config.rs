@@ -148,6 +148,14 @@ pub struct FrontConfig {
     pub prefill_deadline_base: Duration,
     #[serde(with = "humantime_serde")]
     pub prefill_deadline_per_1k_tokens: Duration,
+    /// Requests inside the front door at once (tokenizing, bridging, waiting
+    /// for the engine or generating); one more is answered 429 with
+    /// `Retry-After` instead of queueing without bound.
+    pub max_pending_requests: usize,
+    /// A request not finished within this long ends with 504 (or, once
+    /// streaming, an error event); its bridge and generation are cancelled.
+    #[serde(with = "humantime_serde")]
+    pub request_timeout: Duration,
 }
 
 impl Default for FrontConfig {
@@ -162,6 +170,8 @@ impl Default for FrontConfig {
             default_max_tokens: 256,
             prefill_deadline_base: Duration::from_secs(60),
             prefill_deadline_per_1k_tokens: Duration::from_secs(30),
+            max_pending_requests: 64,
+            request_timeout: Duration::from_secs(900),
         }
     }
 }
@@ -170,6 +180,12 @@ impl Validate for FrontConfig {
     fn validate(&self) -> Result<(), ConfigError> {
         if self.default_max_tokens == 0 {
             return Err(ConfigError::invalid("front.default_max_tokens", "must be at least 1"));
+        }
+        if self.max_pending_requests == 0 {
+            return Err(ConfigError::invalid("front.max_pending_requests", "must be at least 1"));
+        }
+        if self.request_timeout.is_zero() {
+            return Err(ConfigError::invalid("front.request_timeout", "must be greater than zero"));
         }
         for (key, addr) in [("front.prefilld", &self.prefilld), ("front.advertise_addr", &self.advertise_addr)] {
             if let Some(addr) = addr

@@ -15,7 +15,7 @@ use std::{collections::BTreeMap, convert::Infallible, sync::Arc, time::Duration}
 use axum::{
     Json, Router,
     extract::State,
-    http::{HeaderMap, HeaderValue, StatusCode},
+    http::{HeaderMap, HeaderValue, StatusCode, header},
     response::{IntoResponse, Response, Sse, sse::Event},
     routing::{get, post},
 };
@@ -29,7 +29,10 @@ use pdbridge_common::{
 };
 use serde::Serialize;
 use serde_json::{Value, json};
-use tokio::time::Instant;
+use tokio::{
+    sync::{OwnedSemaphorePermit, Semaphore},
+    time::Instant,
+};
 use tonic::transport::{Channel, Endpoint};
 use tonic_health::pb::{HealthCheckRequest, health_check_response::ServingStatus, health_client::HealthClient};
 
@@ -56,6 +59,15 @@ struct Front {
     prefilld: Option<Channel>,
     /// Bridges in progress, shared by concurrent requests for the same blocks.
     bridges: Bridges,
+    /// One permit per request inside the front door (`front.max_pending_requests`).
+    admission: Arc<Semaphore>,
+}
+
+/// A request let in: its admission permit and its deadline, both carried to
+/// the end of a streamed answer.
+struct Admitted {
+    permit: OwnedSemaphorePermit,
+    deadline: Instant,
 }
 
 pub fn router(engine: Option<Engine>, store: Arc<Store>, config: FrontConfig, advertise_addr: String) -> Router {
@@ -66,8 +78,16 @@ pub fn router(engine: Option<Engine>, store: Arc<Store>, config: FrontConfig, ad
             None
         }
     });
-    let state =
-        Front { engine, store, config: Arc::new(config), advertise_addr, prefilld, bridges: Bridges::default() };
+    let admission = Arc::new(Semaphore::new(config.max_pending_requests));
+    let state = Front {
+        engine,
+        store,
+        config: Arc::new(config),
+        advertise_addr,
+        prefilld,
+        bridges: Bridges::default(),
+        admission,
+    };
     Router::new()
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
@@ -90,6 +110,10 @@ enum FrontError {
     EngineRefused(String),
     #[error("decode engine failed: {0}")]
     Engine(String),
+    #[error("{limit} requests are already pending; retry later")]
+    Overloaded { limit: usize },
+    #[error("not answered within front.request_timeout ({0:?})")]
+    Timeout(Duration),
     /// `X-PD-Bridge-Mode: bridge` and the bridge could not be used.
     #[error("bridge required but unavailable: {reason}")]
     BridgeRequired { reason: &'static str, detail: String },
@@ -118,9 +142,14 @@ impl IntoResponse for FrontError {
             FrontError::EngineUnavailable => (StatusCode::SERVICE_UNAVAILABLE, "engine_unavailable"),
             FrontError::EngineRefused(_) | FrontError::Engine(_) => (StatusCode::INTERNAL_SERVER_ERROR, "engine_error"),
             FrontError::BridgeRequired { .. } => (StatusCode::BAD_GATEWAY, "bridge_unavailable"),
+            FrontError::Overloaded { .. } => (StatusCode::TOO_MANY_REQUESTS, "overloaded"),
+            FrontError::Timeout(_) => (StatusCode::GATEWAY_TIMEOUT, "timeout"),
         };
         let mut response =
             (status, Json(json!({"error": {"message": self.to_string(), "type": kind}}))).into_response();
+        if let FrontError::Overloaded { .. } = &self {
+            response.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+        }
         if let FrontError::BridgeRequired { reason, .. } = &self {
             let verdict = json!({"outcome": "failed", "reason": reason}).to_string();
             response.headers_mut().insert(VERDICT_HEADER, HeaderValue::from_str(&verdict).expect("ascii json"));
@@ -238,12 +267,33 @@ fn mode(headers: &HeaderMap) -> Result<Mode, FrontError> {
 }
 
 impl Front {
+    /// Admits a request (or answers 429) and serves it within
+    /// `front.request_timeout` (or answers 504; dropping the unfinished work
+    /// cancels its bridge and its generation).
     async fn complete(
         &self,
         headers: &HeaderMap,
         body: &Value,
         input: TokenizeInput<'_>,
         kind: Kind,
+    ) -> Result<Response, FrontError> {
+        let admitted = self
+            .admission
+            .clone()
+            .try_acquire_owned()
+            .map_err(|_| FrontError::Overloaded { limit: self.config.max_pending_requests })?;
+        let deadline = Instant::now() + self.config.request_timeout;
+        let served = self.serve(headers, body, input, kind, Admitted { permit: admitted, deadline });
+        tokio::time::timeout_at(deadline, served).await.unwrap_or(Err(FrontError::Timeout(self.config.request_timeout)))
+    }
+
+    async fn serve(
+        &self,
+        headers: &HeaderMap,
+        body: &Value,
+        input: TokenizeInput<'_>,
+        kind: Kind,
+        admitted: Admitted,
     ) -> Result<Response, FrontError> {
         let started = Instant::now();
         let mode = mode(headers)?;
@@ -308,9 +358,16 @@ impl Front {
             let verdict = plan.verdict.clone();
             let (tx, rx) = tokio::sync::mpsc::channel::<Event>(16);
             tokio::spawn(async move {
-                let _lease = lease;
+                // Both held until the last event: the blocks stay leased, the request admitted.
+                let (_lease, deadline) = (lease, admitted.deadline);
+                let _permit = admitted.permit;
                 let mut first = true;
-                while let Some(event) = generation.next().await {
+                loop {
+                    let event = match tokio::time::timeout_at(deadline, generation.next()).await {
+                        Ok(Some(event)) => event,
+                        Ok(None) => break,
+                        Err(_) => Err(EngineError::Internal("front.request_timeout passed".into())),
+                    };
                     let data = match event {
                         Ok(GenerateEvent::Token { text, .. }) => {
                             if std::mem::take(&mut first) {
@@ -333,7 +390,8 @@ impl Front {
                         }
                         Err(e) => json!({"error": {"message": e.to_string(), "type": "engine_error"}}),
                     };
-                    if tx.send(Event::default().data(data.to_string())).await.is_err() {
+                    let failed = data.get("error").is_some();
+                    if tx.send(Event::default().data(data.to_string())).await.is_err() || failed {
                         return;
                     }
                 }

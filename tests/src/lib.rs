@@ -176,9 +176,31 @@ impl Daemon {
 
     /// Sends SIGTERM.
     pub fn terminate(&self) {
+        self.signal(libc::SIGTERM);
+    }
+
+    /// Sends SIGKILL: the daemon dies without a drain, as in a crash.
+    pub fn kill(&self) {
+        self.signal(libc::SIGKILL);
+    }
+
+    fn signal(&self, signal: libc::c_int) {
         // SAFETY: kill(2) with a pid we spawned and still own (not yet reaped).
-        let rc = unsafe { libc::kill(self.pid(), libc::SIGTERM) };
-        assert_eq!(rc, 0, "kill(SIGTERM) failed");
+        let rc = unsafe { libc::kill(self.pid(), signal) };
+        assert_eq!(rc, 0, "kill({signal}) failed");
+    }
+
+    /// Pids of the daemon's child processes (its engine), from Linux's procfs
+    /// (each thread lists the children it spawned).
+    pub fn children(&self) -> Vec<i32> {
+        let tasks = std::fs::read_dir(format!("/proc/{}/task", self.pid())).expect("procfs");
+        let mut pids: Vec<i32> = tasks
+            .flatten()
+            .filter_map(|task| std::fs::read_to_string(task.path().join("children")).ok())
+            .flat_map(|list| list.split_whitespace().filter_map(|p| p.parse().ok()).collect::<Vec<_>>())
+            .collect();
+        pids.sort();
+        pids
     }
 
     /// Waits for the process to exit, failing the test after `limit`; the
@@ -311,6 +333,30 @@ impl Daemon {
                 self.log_text()
             );
             tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+    }
+
+    /// The value of the series `name` (with its labels, as scraped) in a
+    /// scrape of `/metrics`, if the daemon answers and publishes it.
+    pub async fn metric(&self, name: &str) -> Option<f64> {
+        let text = reqwest::get(self.admin_url("/metrics")).await.ok()?.text().await.ok()?;
+        text.lines().find_map(|line| line.strip_prefix(name)?.strip_prefix(' ')?.trim().parse::<f64>().ok())
+    }
+
+    /// Waits until the series `name` reads at least `value`, failing after `limit`.
+    pub async fn wait_metric(&self, name: &str, value: f64, limit: Duration) {
+        let deadline = tokio::time::Instant::now() + limit;
+        loop {
+            let now = self.metric(name).await;
+            if now.is_some_and(|v| v >= value) {
+                return;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "{} {name} is {now:?}, not {value}, after {limit:?}",
+                self.name
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
         }
     }
 }

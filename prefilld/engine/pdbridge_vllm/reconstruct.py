@@ -9,7 +9,8 @@ Given the residual stream entering layer l (what vLLM's ``extract_hidden_states`
 with ``k_proj``/``v_proj`` MLX affine-quantized linears. Running the same MLX ops (``mx.fast.rms_norm``,
 ``mx.quantized_matmul``, ``mx.fast.rope``) on the same tensors makes the result the decoder's own
 arithmetic by construction: MLX's CPU kernels are per-token and per-output sequential, so the chunk
-and offset a token is computed with do not change its bits (ENGINES.md §4.1).
+and offset a token is computed with do not change its bits (measured bit-exact per chunk, one-shot and
+per token; see ARCHITECTURE.md, "Exactness").
 
 The *reconstruction bundle* (safetensors, written by the decoder adapter, ``decoded/engine``)
 carries exactly those weights — per layer ``model.layers.{i}.input_layernorm.weight`` and

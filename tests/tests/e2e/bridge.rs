@@ -180,9 +180,65 @@ async fn bridged_answers_on_real_engines() {
     assert_eq!(after_restart.cached_tokens(), second.cached_tokens());
     assert_eq!(after_restart.text(), second.text());
 
-    // 6. With prefilld gone: native with the reason, or a loud failure when the bridge is required.
-    prefilld.terminate();
-    assert_eq!(prefilld.wait(Duration::from_secs(120)).await.code(), Some(0));
+    // 5b. A block that rotted on disk is caught by its checksum, quarantined and bridged again;
+    // the answer is unchanged.
+    let rotten = block_file(&decoded, &store, &first, 0).await;
+    let mut data = std::fs::read(&rotten).unwrap();
+    *data.last_mut().unwrap() ^= 0x01;
+    std::fs::write(&rotten, &data).unwrap();
+    let quarantined = |store: &std::path::Path| std::fs::read_dir(store.join("quarantine")).unwrap().count();
+    let quarantined_before = quarantined(&store);
+    let healed = chat(&decoded, &first, "auto").await;
+    assert_eq!(healed.status, 200, "{:?}", healed.body);
+    assert_eq!(healed.verdict["outcome"], "bridged", "{}", healed.verdict);
+    // The cached prefix now ends before block 0, so the prompt's blocks travel again.
+    assert_eq!(healed.verdict["blocks"].as_u64(), Some(blocks), "{}", healed.verdict);
+    assert_eq!(healed.text(), bridged.text());
+    assert_eq!(quarantined(&store), quarantined_before + 1);
+    assert_ne!(std::fs::read(&rotten).unwrap(), data, "the re-bridged block replaced the rotten file");
+
+    // 6. prefilld dies (SIGKILL) mid-bridge: the blocks that landed stay and are used, the verdict
+    // says how far the bridge got, and prefilld's engine processes die with it.
+    let long_prompt = user(&format!("{}\n\nWhat does this grant?", paragraphs[14..24].join("\n\n")));
+    let committed = "pdbridge_store_blocks_committed_total";
+    let committed_before = decoded.metric(committed).await.unwrap();
+    let cut = tokio::spawn({
+        let url = format!("http://{}/v1/chat/completions", decoded.front.unwrap());
+        let body = json!({"messages": long_prompt, "max_tokens": 8, "temperature": 0});
+        async move { reqwest::Client::new().post(url).json(&body).send().await.unwrap() }
+    });
+    decoded.wait_metric(committed, committed_before + 1.0, Duration::from_secs(300)).await;
+    let vllm = prefilld.children();
+    assert!(!vllm.is_empty(), "prefilld runs vLLM");
+    prefilld.kill();
+    prefilld.wait(Duration::from_secs(30)).await;
+    let cut = cut.await.unwrap();
+    assert_eq!(cut.status().as_u16(), 200);
+    let verdict: Value = serde_json::from_str(cut.headers()["x-pd-bridge"].to_str().unwrap()).unwrap();
+    let body: Value = cut.json().await.unwrap();
+    assert_eq!(verdict["cached_tokens"], body["usage"]["prompt_tokens_details"]["cached_tokens"], "{verdict}");
+    // Usually partial; bridged if the last block beat the kill; native if no block of the
+    // contiguous prefix had landed. Whatever landed and is used is counted.
+    match verdict["outcome"].as_str().unwrap() {
+        "partial" => {
+            assert_eq!(verdict["reason"], "transfer_failed", "{verdict}");
+            assert!(verdict["blocks"].as_u64().unwrap() >= 1, "{verdict}");
+        }
+        "bridged" => assert!(verdict["blocks"].as_u64().unwrap() >= 1, "{verdict}"),
+        "native" => assert_eq!(verdict["reason"], "transfer_failed", "{verdict}"),
+        other => panic!("unexpected outcome {other}: {verdict}"),
+    }
+    assert!(stray_files(&store).is_empty(), "nothing torn: {:?}", stray_files(&store));
+    for pid in vllm {
+        let gone = async {
+            while std::path::Path::new(&format!("/proc/{pid}")).exists() {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(60), gone).await.expect("vLLM dies with prefilld");
+    }
+
+    // With prefilld gone: native with the reason, or a loud failure when the bridge is required.
     let (status, out) = run_cli(&doctor_args(&decoded, &prefilld)).await;
     assert!(!status.success(), "doctor must fail with prefilld down:\n{out}");
     assert!(out.contains("FAIL  prefilld reachable"), "{out}");
@@ -210,10 +266,34 @@ async fn bridged_answers_on_real_engines() {
     assert_eq!(bad_mode.status().as_u16(), 400);
     let bad_body = client.post(&url).json(&json!({"messages": "nope"})).send().await.unwrap();
     assert_eq!(bad_body.status().as_u16(), 400);
-    let bad_tokens = client.post(&url).json(&json!({"messages": first, "max_tokens": -3})).send().await.unwrap();
-    assert_eq!(bad_tokens.status().as_u16(), 400);
+    let too_long = user(&license.repeat(4));
+    let huge_max_tokens = 4_294_967_299u64; // 2^32 + 3: refused, not truncated to 3
+    for (body, needle) in [
+        (json!({"messages": first, "max_tokens": -3}), "max_tokens"),
+        (json!({"messages": first, "max_tokens": huge_max_tokens}), "max_tokens"),
+        (json!({"messages": []}), "messages"),
+        (json!({"messages": [{"content": "hi"}]}), "role"),
+        (json!({"messages": [{"role": "user", "content": 7}]}), "content"),
+        (
+            json!({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}),
+            "image_url",
+        ),
+        (json!({"messages": too_long}), "context_length_exceeded"),
+        (json!({"messages": first, "max_tokens": 8192}), "context_length_exceeded"),
+    ] {
+        let response = client.post(&url).json(&body).send().await.unwrap();
+        assert_eq!(response.status().as_u16(), 400, "{body}");
+        let error = response.json::<Value>().await.unwrap();
+        let message = error["error"]["message"].as_str().unwrap_or_default().to_owned();
+        assert!(message.contains(needle), "{message:?} lacks {needle:?}");
+    }
     let still = chat(&decoded, &first, "auto").await;
     assert_eq!(still.verdict["outcome"], "cached");
+    // List-form text content is the same prompt as plain content.
+    let parts = json!([{"role": "user", "content": [{"type": "text", "text": first_prompt}]}]);
+    let listed = chat(&decoded, &parts, "auto").await;
+    assert_eq!(listed.verdict["outcome"], "cached", "{}", listed.verdict);
+    assert_eq!(listed.text(), bridged.text());
 
     // Every verdict above is counted.
     let metrics = reqwest::get(decoded.admin_url("/metrics")).await.unwrap().text().await.unwrap();
@@ -243,6 +323,32 @@ async fn logged(daemon: &Daemon, message: &str, at_least: usize) -> Vec<Value> {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     events
+}
+
+/// The store file of block `index` of a chat's prompt, by the keys decoded computes.
+async fn block_file(decoded: &Daemon, store: &std::path::Path, messages: &Value, index: usize) -> std::path::PathBuf {
+    use pdbridge_common::proto::{GetSpecRequest, cache_store_client::CacheStoreClient};
+    let url = format!("http://{}/pd/v1/tokenize", decoded.front.unwrap());
+    let reply: Value = reqwest::Client::new()
+        .post(url)
+        .json(&json!({"messages": messages}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let tokens: Vec<u32> = serde_json::from_value(reply["tokens"].clone()).unwrap();
+    let spec = CacheStoreClient::new(decoded.channel().await).get_spec(GetSpecRequest {}).await.unwrap().into_inner();
+    let key = pdbridge_common::block::keys(&spec.spec_fingerprint, &tokens, spec.block_tokens as usize)[index].to_hex();
+    let path = store.join("blocks").join(&key[..2]).join(format!("{key}.safetensors"));
+    assert!(path.exists(), "{} is not in the store", path.display());
+    path
+}
+
+/// Files in the store's temp directory (a commit in progress or torn).
+fn stray_files(store: &std::path::Path) -> Vec<std::path::PathBuf> {
+    std::fs::read_dir(store.join("tmp")).map(|d| d.flatten().map(|e| e.path()).collect()).unwrap_or_default()
 }
 
 /// Runs the `pdbridge` CLI; returns its status and stdout + stderr.

@@ -3,5 +3,6 @@
 
 mod bridge;
 mod foundation;
+mod load;
 mod ops;
 mod push;

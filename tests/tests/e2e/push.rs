@@ -18,6 +18,7 @@ use pdbridge_common::{
     spec,
 };
 use pdbridge_tests::{Daemon, Engines, Scratch};
+use tokio_stream::StreamExt;
 use tonic::{Code, transport::Channel};
 
 const BLOCK_TOKENS: u32 = 16;
@@ -74,7 +75,14 @@ async fn bad_shards_are_refused_and_committed_blocks_survive() {
     let engines = Engines::locate();
     let scratch = Scratch::new("push");
     let store = scratch.0.join("store");
-    let config = engines.decoded_config(&store, BLOCK_TOKENS, "[front]\nlisten = \"127.0.0.1:0\"\n");
+    // Three Push streams at once at most, each cut after 3 s without a frame
+    // (pushes below send their frames at once, so only the idle ones are cut).
+    let limits = "max_push_streams = 3\npush_idle_timeout = \"3s\"\n";
+    let config = engines.decoded_config(&store, BLOCK_TOKENS, "[front]\nlisten = \"127.0.0.1:0\"\n").replacen(
+        "[engine]",
+        &format!("{limits}[engine]"),
+        1,
+    );
     let mut decoded = Daemon::start("decoded", &config).await;
     decoded.wait_ready(Duration::from_secs(300)).await;
     let mut client = CacheStoreClient::new(decoded.channel().await).max_decoding_message_size(64 << 20);
@@ -204,8 +212,57 @@ async fn bad_shards_are_refused_and_committed_blocks_survive() {
     // A restart keeps every committed block.
     decoded.terminate();
     assert_eq!(decoded.wait(Duration::from_secs(30)).await.code(), Some(0));
-    let decoded = Daemon::start("decoded", &config).await;
+    let mut decoded = Daemon::start("decoded", &config).await;
     decoded.wait_ready(Duration::from_secs(300)).await;
     let mut client = CacheStoreClient::new(decoded.channel().await);
     assert_eq!(cached_blocks(&mut client, &tokens).await, 3);
+
+    // Idle streams cannot hold the daemon: beyond max_push_streams a Push is
+    // refused at once, and a stream silent for push_idle_timeout is cut.
+    let idle = |client: &CacheStoreClient<Channel>| {
+        let mut client = client.clone();
+        let opened = frames(open(0), Vec::new(), None);
+        tokio::spawn(async move { client.push(tokio_stream::iter(opened).chain(tokio_stream::pending())).await })
+    };
+    let holders: Vec<_> = (0..3).map(|_| idle(&client)).collect();
+    decoded.wait_metric("pdbridge_push_streams_in_flight", 3.0, Duration::from_secs(30)).await;
+    let err = push(&mut client, frames(open(0), block_shards(&spec, 0, 1), Some(1))).await.unwrap_err();
+    assert_eq!(err.code(), Code::ResourceExhausted, "{err:?}");
+    for holder in holders {
+        let err = holder.await.unwrap().unwrap_err();
+        assert_eq!(err.code(), Code::DeadlineExceeded, "{err:?}");
+    }
+    let receipt = push(&mut client, frames(open(0), block_shards(&spec, 0, 1), Some(1))).await.unwrap();
+    assert_eq!(receipt.blocks_committed, 1, "a freed slot takes a new stream: {}", receipt.reason);
+    assert!(stray_files(&store).is_empty());
+
+    // decoded killed mid-Push (SIGKILL, no drain): the block committed before the kill is
+    // served after a restart, the half-sent one never appears, and no file is torn.
+    let crashing: Vec<u32> = (9000..9000 + 3 * BLOCK_TOKENS).collect();
+    let committed = "pdbridge_store_blocks_committed_total";
+    let committed_before = decoded.metric(committed).await.unwrap();
+    let (tx, rx) = tokio::sync::mpsc::channel(1024);
+    let pushing = tokio::spawn({
+        let mut client = client.clone();
+        async move { client.push(tokio_stream::wrappers::ReceiverStream::new(rx)).await }
+    });
+    let block1 = block_shards(&spec, 1, 7);
+    let sent = frames(PushOpen { token_ids: crashing.clone(), ..open(0) }, block_shards(&spec, 0, 7), None)
+        .into_iter()
+        .chain(block1[..block1.len() / 2].iter().cloned().map(|s| PushFrame { frame: Some(Frame::Shard(s)) }));
+    for frame in sent {
+        tx.send(frame).await.unwrap();
+    }
+    decoded.wait_metric(committed, committed_before + 1.0, Duration::from_secs(60)).await;
+    decoded.kill();
+    decoded.wait(Duration::from_secs(30)).await;
+    assert!(pushing.await.unwrap().is_err(), "a Push cut by a crash is not a success");
+    let decoded = Daemon::start("decoded", &config).await;
+    decoded.wait_ready(Duration::from_secs(300)).await;
+    let mut client = CacheStoreClient::new(decoded.channel().await);
+    assert_eq!(cached_blocks(&mut client, &crashing).await, 1);
+    assert_eq!(cached_blocks(&mut client, &tokens).await, 3, "earlier blocks are untouched");
+    let quarantine = std::fs::read_dir(store.join("quarantine")).unwrap().count();
+    assert_eq!(quarantine, 0, "no block file was torn");
+    assert!(stray_files(&store).is_empty());
 }

@@ -1,0 +1,120 @@
+//! The front door under load, on the real decode engine: admission control
+//! (429 with `Retry-After` beyond `front.max_pending_requests`), the request
+//! deadline (`front.request_timeout`: 504, or an error event once streaming),
+//! and cancellation: a request that is cut or whose client leaves stops its
+//! generation, so the next request is served at once.
+
+use std::time::Duration;
+
+use pdbridge_tests::{Daemon, Engines, Scratch};
+use serde_json::{Value, json};
+
+/// Greedy decoding continues this for far longer than any deadline below.
+const ENDLESS: &str = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,";
+/// Long enough for any short request on a busy CI machine, far shorter than
+/// an endless generation (thousands of tokens at ~10 tokens/s).
+const REQUEST_TIMEOUT_S: u64 = 30;
+
+fn completion(prompt: &str, max_tokens: u32, stream: bool) -> Value {
+    json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": stream})
+}
+
+#[tokio::test]
+async fn admission_deadline_and_cancellation() {
+    let engines = Engines::locate();
+    let scratch = Scratch::new("load");
+    let front = format!(
+        "[front]\nlisten = \"127.0.0.1:0\"\nmax_pending_requests = 1\nrequest_timeout = \"{REQUEST_TIMEOUT_S}s\"\n"
+    );
+    let decoded = Daemon::start("decoded", &engines.decoded_config(&scratch.0.join("store"), 32, &front)).await;
+    decoded.wait_ready(Duration::from_secs(300)).await;
+    let url = format!("http://{}/v1/completions", decoded.front.unwrap());
+    let client = reqwest::Client::new();
+    let short = || client.post(&url).json(&completion("The capital of France is", 2, false)).send();
+
+    // A streamed answer holds the one admission slot while it streams.
+    let mut endless = client.post(&url).json(&completion(ENDLESS, 4000, true)).send().await.unwrap();
+    assert_eq!(endless.status().as_u16(), 200);
+    let first = endless.chunk().await.unwrap().expect("a first event");
+    assert!(String::from_utf8_lossy(&first).contains("data:"), "{first:?}");
+    let refused = short().await.unwrap();
+    assert_eq!(refused.status().as_u16(), 429);
+    assert_eq!(refused.headers().get("retry-after").map(|v| v.to_str().unwrap()), Some("1"));
+
+    // At the deadline the stream ends with an error event and no [DONE].
+    let mut rest = String::new();
+    while let Some(chunk) = endless.chunk().await.unwrap() {
+        rest.push_str(&String::from_utf8_lossy(&chunk));
+    }
+    assert!(
+        rest.contains("request_timeout"),
+        "no deadline error event in: {}",
+        &rest[rest.len().saturating_sub(400)..]
+    );
+    assert!(!rest.contains("[DONE]"));
+
+    // Its generation was cancelled: a short request is answered within its own deadline.
+    let answered = short().await.unwrap();
+    assert_eq!(answered.status().as_u16(), 200, "{:?}", answered.text().await);
+
+    // A non-streamed request past the deadline is a 504, and its generation stops too.
+    let cut = client.post(&url).json(&completion(ENDLESS, 4000, false)).send().await.unwrap();
+    assert_eq!(cut.status().as_u16(), 504);
+    let body: Value = cut.json().await.unwrap();
+    assert_eq!(body["error"]["type"], "timeout", "{body}");
+    let answered = short().await.unwrap();
+    assert_eq!(answered.status().as_u16(), 200, "{:?}", answered.text().await);
+
+    // A client that leaves mid-stream frees its slot and its generation.
+    let mut leaving = client.post(&url).json(&completion(ENDLESS, 4000, true)).send().await.unwrap();
+    leaving.chunk().await.unwrap().expect("a first event");
+    drop(leaving);
+    let mut answered = None;
+    for _ in 0..100 {
+        // The slot is freed when the server notices the client is gone (its
+        // next event fails to send): a 429 or two, then the answer.
+        let response = short().await.unwrap();
+        if response.status().as_u16() != 429 {
+            answered = Some(response);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let answered = answered.expect("the slot of a client that left is freed");
+    assert_eq!(answered.status().as_u16(), 200, "{:?}", answered.text().await);
+    let log = decoded.log_text();
+    assert!(log.matches("op=generate cancelled").count() >= 3, "every cut generation is cancelled:\n{log}");
+}
+
+#[tokio::test]
+async fn a_decode_engine_crash_mid_answer_ends_it_cleanly_and_the_engine_returns() {
+    let engines = Engines::locate();
+    let scratch = Scratch::new("crash");
+    let front = "[front]\nlisten = \"127.0.0.1:0\"\n";
+    let decoded = Daemon::start("decoded", &engines.decoded_config(&scratch.0.join("store"), 32, front)).await;
+    decoded.wait_ready(Duration::from_secs(300)).await;
+    let url = format!("http://{}/v1/completions", decoded.front.unwrap());
+    let client = reqwest::Client::new();
+
+    let mut streaming = client.post(&url).json(&completion(ENDLESS, 4000, true)).send().await.unwrap();
+    streaming.chunk().await.unwrap().expect("a first event");
+    let engine = decoded.children();
+    assert_eq!(engine.len(), 1, "one engine process: {engine:?}");
+    // SAFETY: kill(2) on the daemon's engine child, found a moment ago.
+    assert_eq!(unsafe { libc::kill(engine[0], libc::SIGKILL) }, 0);
+
+    // The answer ends with an error event instead of hanging or claiming success.
+    let mut rest = String::new();
+    while let Some(chunk) = streaming.chunk().await.unwrap() {
+        rest.push_str(&String::from_utf8_lossy(&chunk));
+    }
+    assert!(rest.contains("\"error\""), "no error event in: {}", &rest[rest.len().saturating_sub(400)..]);
+    assert!(!rest.contains("[DONE]"));
+
+    // The supervisor restarts the engine; then requests are answered again.
+    decoded.wait_metric("pdbridge_engine_restarts_total{engine=\"mlx\"}", 1.0, Duration::from_secs(60)).await;
+    decoded.wait_ready(Duration::from_secs(300)).await;
+    let answered = client.post(&url).json(&completion("The capital of France is", 2, false)).send().await.unwrap();
+    assert_eq!(answered.status().as_u16(), 200, "{:?}", answered.text().await);
+    assert_ne!(decoded.children(), engine, "a new engine process");
+}
