@@ -213,6 +213,9 @@ impl Bridge {
                         Err(e) => break Err(fail("prefill_failed", e.to_string())),
                     }
                 }
+                // The caller went away (its deadline passed, its client left): stop
+                // prefilling for nobody; blocks already sent are still sealed below.
+                _ = events.closed() => break Err(fail("cancelled", "the caller went away")),
                 _ = tokio::time::sleep_until(grace) => {
                     let what = if prefill_done_at.is_some() { "no end-of-prefill event from the plugin" } else { "prefill deadline passed" };
                     break Err(fail("timeout", what));

@@ -197,6 +197,26 @@ async fn bridged_answers_on_real_engines() {
     assert_eq!(quarantined(&store), quarantined_before + 1);
     assert_ne!(std::fs::read(&rotten).unwrap(), data, "the re-bridged block replaced the rotten file");
 
+    // 5c. A link too slow for the prefill deadline: the bridge is abandoned with reason `timeout`
+    // (native here: no block can land within 1 ms), or a loud 502 when the bridge is required.
+    let hasty_front = front
+        .replace("[front]\n", "[front]\nprefill_deadline_base = \"1ms\"\nprefill_deadline_per_1k_tokens = \"1ms\"\n");
+    let hasty_config = engines.decoded_config(&scratch.0.join("hasty-store"), BLOCK_TOKENS as u32, &hasty_front);
+    let hasty = Daemon::start("decoded", &hasty_config).await;
+    hasty.wait_ready(Duration::from_secs(300)).await;
+    let slow = chat(&hasty, &first, "auto").await;
+    assert_eq!(slow.status, 200, "{:?}", slow.body);
+    assert_eq!(
+        (&slow.verdict["outcome"], &slow.verdict["reason"]),
+        (&json!("native"), &json!("timeout")),
+        "{}",
+        slow.verdict
+    );
+    assert_eq!(slow.text(), bridged.text());
+    let required = chat(&hasty, &first, "bridge").await;
+    assert_eq!((required.status, &required.verdict["reason"]), (502, &json!("timeout")), "{}", required.verdict);
+    drop(hasty);
+
     // 6. prefilld dies (SIGKILL) mid-bridge: the blocks that landed stay and are used, the verdict
     // says how far the bridge got, and prefilld's engine processes die with it.
     let long_prompt = user(&format!("{}\n\nWhat does this grant?", paragraphs[14..24].join("\n\n")));
