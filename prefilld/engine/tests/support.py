@@ -97,6 +97,11 @@ class Receiver:
                 raise TimeoutError(f"no done/error for {request_id}: {self.messages.get(request_id)}")
             return list(self.messages[request_id])
 
+    def snapshot(self) -> tuple[int, set[str]]:
+        """(connections accepted so far, request ids seen so far), taken under the lock."""
+        with self._cv:
+            return self.connections, set(self.messages)
+
     def close(self):
         self._srv.close()
         if os.path.exists(self.path):
@@ -191,7 +196,7 @@ def server_env() -> dict[str, str]:
         "PYTHONPATH": str(ENGINE_DIR),
         "HF_HUB_OFFLINE": "1",
         "VLLM_CPU_KVCACHE_SPACE": "2",
-        # A kv_transfer_config makes vLLM reserve one more core (ENGINES.md §2.2); on 2 cores that
+        # A kv_transfer_config makes vLLM-CPU reserve one more core for itself; on 2 cores that
         # leaves none for the forward. Reserve exactly one (the API server's).
         "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
     }
