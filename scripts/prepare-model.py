@@ -26,18 +26,17 @@ import importlib.util
 import json
 import os
 import re
-import shutil
 import sys
-import time
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
+from modelkit import build_hf, ensure, write_json
+
 # Bump when the output of this script changes, so stale folders get rebuilt.
 SCRIPT_VERSION = 1
-STAMP = ".prepare-model.stamp"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MLX_DIR = "smollm2-mlx"
 HF_DIR = "smollm2-hf"
@@ -194,10 +193,6 @@ def write_tokenizer(folder: Path, md: dict, max_length: int) -> None:
     write_json(folder / "special_tokens_map.json", special)
 
 
-def write_json(path: Path, obj: dict) -> None:
-    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
-
-
 def build_mlx(folder: Path, gguf: Path) -> None:
     # mx.load reads GGUF natively and returns Q4_0/Q4_1/Q8_0 tensors already in MLX affine form
     # (packed uint32 weight + fp16 scales/biases, group 32); nothing is dequantized.
@@ -218,73 +213,6 @@ def build_mlx(folder: Path, gguf: Path) -> None:
     generation = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
     write_json(folder / "generation_config.json", generation)
     write_tokenizer(folder, md, config["max_position_embeddings"])
-
-
-def dequantized(weights: dict, group_size: int) -> dict:
-    """HF-named fp32 tensors: quantized modules through mx.dequantize, the rest as they are."""
-    out = {}
-    for name, a in weights.items():
-        base, _, suffix = name.rpartition(".")
-        if suffix in ("scales", "biases"):
-            continue
-        if f"{base}.scales" in weights:
-            scales = weights[f"{base}.scales"]
-            # Bits per module as mlx-lm infers them: the Q8_0 embedding is 8-bit, the linears 4-bit.
-            bits = a.shape[-1] * 32 // (scales.shape[-1] * group_size)
-            a = mx.dequantize(a, scales, weights[f"{base}.biases"], group_size=group_size, bits=bits)
-        out[name] = a
-    return out
-
-
-def build_hf(folder: Path, mlx_folder: Path) -> None:
-    # Read the decoder folder rather than the GGUF: the prefill weights are by definition the
-    # decoder's tensors, dequantized exactly as MLX would (w = scale*q + bias in fp32).
-    mlx_config = json.loads((mlx_folder / "config.json").read_text())
-    group_size = mlx_config["quantization"]["group_size"]
-    mx.save_safetensors(
-        str(folder / "model.safetensors"),
-        dequantized(mx.load(str(mlx_folder / "model.safetensors")), group_size),
-        metadata={"format": "pt"},
-    )
-    verify_dequantized(folder, mlx_folder, group_size)
-
-    mlx_only = ("quantization", "quantization_config", "rope_traditional")
-    config = {k: v for k, v in mlx_config.items() if k not in mlx_only}
-    config["hidden_act"] = "silu"  # mlx-lm's llama hard-codes SiLU; HF and vLLM read it here
-    write_json(folder / "config.json", config)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
-        shutil.copy2(mlx_folder / name, folder / name)
-    # transformers 5 (which vLLM uses) saves the chat template as its own file; keep that layout.
-    template = json.loads((mlx_folder / "tokenizer_config.json").read_text())["chat_template"]
-    (folder / "chat_template.jinja").write_text(template)
-
-
-def verify_dequantized(hf_folder: Path, mlx_folder: Path, group_size: int) -> None:
-    """Re-reads both files and requires bit equality (uint32 views), so no NaN or -0.0 slips by."""
-    written = mx.load(str(hf_folder / "model.safetensors"))
-    expected = dequantized(mx.load(str(mlx_folder / "model.safetensors")), group_size)
-    if written.keys() != expected.keys():
-        raise RuntimeError(f"HF tensor names differ: {sorted(written.keys() ^ expected.keys())}")
-    for name, a in expected.items():
-        b = written[name]
-        if b.dtype != mx.float32 or not mx.array_equal(a.view(mx.uint32), b.view(mx.uint32)).item():
-            raise RuntimeError(f"{name}: HF weight is not bit-identical to mx.dequantize of the MLX folder")
-
-
-def ensure(folder: Path, stamp: str, build) -> None:
-    if (folder / STAMP).is_file() and (folder / STAMP).read_text() == stamp:
-        print(f"prepare-model: {folder} is up to date")
-        return
-    start = time.monotonic()
-    tmp = folder.with_name(folder.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    build(tmp)
-    (tmp / STAMP).write_text(stamp)
-    shutil.rmtree(folder, ignore_errors=True)
-    tmp.rename(folder)
-    size = sum(p.stat().st_size for p in folder.iterdir())
-    print(f"prepare-model: built {folder} in {time.monotonic() - start:.1f} s ({size / 1e6:.1f} MB)")
 
 
 # The checks import their engines lazily: building the folders needs neither torch nor vLLM.

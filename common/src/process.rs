@@ -63,6 +63,17 @@ pub fn mark_up(engine: &'static str) {
     metrics::gauge!("pdbridge_engine_up", "engine" => engine).set(1.0);
 }
 
+/// SIGKILL to what is left of the process group of a child that exited on
+/// its own (a crash): an engine's workers must not outlive their leader and
+/// hold memory beside its replacement. `leader` is the child's pid, read
+/// while it was running.
+pub fn kill_group(leader: Option<u32>) {
+    if let Some(pid) = leader {
+        // SAFETY: kill(2) on the process group we created for our own child.
+        unsafe { libc::kill(-(pid as i32), libc::SIGKILL) };
+    }
+}
+
 /// SIGTERM to the child's process group, up to `grace` for a clean exit,
 /// then SIGKILL to whatever is left of the group.
 pub async fn terminate(child: &mut Child, grace: Duration) -> std::io::Result<()> {

@@ -376,6 +376,7 @@ async fn run_once(
     stop: &CancellationToken,
 ) -> Result<(), EngineError> {
     let mut child = spawn(config, block_tokens)?;
+    let leader = child.id();
     let stdout = child.stdout.take().expect("piped stdout");
     let mut lines = BufReader::new(stdout).lines();
     let started = tokio::time::Instant::now();
@@ -425,7 +426,10 @@ async fn run_once(
     process::mark_up(ENGINE);
     tokio::select! {
         _ = stop.cancelled() => stop_child(child).await,
-        status = child.wait() => Err(EngineError::Internal(format!("adapter exited: {}", status?))),
+        status = child.wait() => {
+            process::kill_group(leader);
+            Err(EngineError::Internal(format!("adapter exited: {}", status?)))
+        }
     }
 }
 

@@ -513,12 +513,18 @@ impl Front {
         let started = Instant::now();
         let bridged = self.bridge(tokens, cached as u32).await;
         let now_cached = self.store.longest_prefix(keys);
-        let (outcome, reason) = match &bridged {
-            _ if now_cached == keys.len() && now_cached > cached => ("bridged", None),
-            Ok(_) if now_cached > cached => ("partial", None),
-            Err(failure) if now_cached > cached => ("partial", Some(failure.reason)),
-            Ok(_) => (if cached > 0 { "cached" } else { "native" }, Some("transfer_failed")),
-            Err(failure) => (if cached > 0 { "cached" } else { "native" }, Some(failure.reason)),
+        // Why the bridge fell short, if it did: its failure, or prefilld's reason for a partial outcome.
+        let shortfall = match &bridged {
+            Err(failure) => Some(failure.reason),
+            Ok(outcome) if outcome.status() == OutcomeStatus::Partial => Some(reason_of(&outcome.reason)),
+            Ok(_) => None,
+        };
+        let (outcome, reason) = if now_cached == keys.len() && now_cached > cached {
+            ("bridged", None)
+        } else if now_cached > cached {
+            ("partial", shortfall)
+        } else {
+            (if cached > 0 { "cached" } else { "native" }, shortfall.or(Some("transfer_failed")))
         };
         if let Err(failure) = &bridged {
             tracing::warn!(reason = failure.reason, detail = failure.detail, outcome, "bridge fell short");

@@ -9,7 +9,7 @@
 //! bounded channel: a slow decoder link slows the plugin, never grows memory.
 
 use std::{
-    collections::{BTreeMap, HashMap},
+    collections::{BTreeMap, HashMap, HashSet},
     path::{Path, PathBuf},
     sync::{Arc, Mutex},
 };
@@ -18,7 +18,7 @@ use bytes::{Bytes, BytesMut};
 use serde::Deserialize;
 use tokio::{
     io::{AsyncRead, AsyncReadExt},
-    net::{UnixListener, UnixStream},
+    net::UnixListener,
     sync::mpsc,
 };
 use tokio_util::sync::CancellationToken;
@@ -146,17 +146,37 @@ impl Router {
         Ok(())
     }
 
-    /// Forwards one plugin connection's messages to their request.
-    async fn relay(&self, mut stream: UnixStream) -> Result<(), CaptureError> {
-        while let Some((request_id, event)) = read_message(&mut stream).await? {
+    /// Forwards one plugin connection's messages to their request. Requests
+    /// the connection was carrying when it ends (the engine died mid-request)
+    /// get an error event at once instead of waiting out their deadline.
+    async fn relay(&self, mut stream: impl AsyncRead + Unpin) -> Result<(), CaptureError> {
+        let mut unfinished = HashSet::new();
+        let ended = loop {
+            let (request_id, event) = match read_message(&mut stream).await {
+                Ok(Some(message)) => message,
+                Ok(None) => break Ok(()),
+                Err(e) => break Err(e),
+            };
+            if matches!(event, PluginEvent::Block { .. }) {
+                unfinished.insert(request_id.clone());
+            } else {
+                unfinished.remove(&request_id);
+            }
             let Some(tx) = self.sender(&request_id) else {
                 tracing::warn!(request_id, "plugin message for a request nobody waits for; dropped");
                 continue;
             };
             // The receiver may be gone (the Prefill call gave up); keep draining.
             let _ = tx.send(event).await;
+        };
+        for request_id in unfinished {
+            if let Some(tx) = self.sender(&request_id) {
+                let message = "the plugin's connection closed before the request's end (did the engine die?)";
+                let _ =
+                    tx.send(PluginEvent::Error { reason: "plugin_disconnected".into(), message: message.into() }).await;
+            }
         }
-        Ok(())
+        ended
     }
 }
 
@@ -237,5 +257,34 @@ mod tests {
             &[0; 8],
         );
         assert!(matches!(read_message(&mut bytes.as_slice()).await, Err(CaptureError::Malformed(_))));
+    }
+
+    #[tokio::test]
+    async fn a_connection_lost_mid_request_ends_that_request() {
+        let router = Router::new("unused.sock".into());
+        let mut cut = router.register("cut", 4);
+        let mut finished = router.register("finished", 4);
+        let block = |id: &str| {
+            let tensor =
+                serde_json::json!({"layer": 0, "name": "keys", "dtype": "F32", "shape": [1], "offset": 0, "nbytes": 4});
+            frame(
+                serde_json::json!({"type": "block", "request_id": id, "block_index": 0, "payload_bytes": 4, "tensors": [tensor]}),
+                &[0; 4],
+            )
+        };
+        let mut bytes = block("cut");
+        bytes.extend(block("finished"));
+        bytes.extend(frame(
+            serde_json::json!({"type": "done", "request_id": "finished", "num_tokens": 4, "blocks_emitted": 1}),
+            &[],
+        ));
+        router.relay(bytes.as_slice()).await.unwrap();
+        assert!(matches!(cut.events.recv().await, Some(PluginEvent::Block { .. })));
+        assert!(
+            matches!(cut.events.recv().await, Some(PluginEvent::Error { ref reason, .. }) if reason == "plugin_disconnected")
+        );
+        assert!(matches!(finished.events.recv().await, Some(PluginEvent::Block { .. })));
+        assert!(matches!(finished.events.recv().await, Some(PluginEvent::Done { .. })));
+        assert!(finished.events.try_recv().is_err(), "a finished request hears nothing more");
     }
 }

@@ -168,6 +168,7 @@ async fn run_once(
     let mut child = command(config, num_layers, port)
         .spawn()
         .map_err(|e| EngineError::Failed(format!("spawn {}: {e}", config.python.display())))?;
+    let leader = child.id();
     let base = format!("http://127.0.0.1:{port}");
     let http = reqwest::Client::new();
     let started = tokio::time::Instant::now();
@@ -178,6 +179,7 @@ async fn run_once(
                 return Ok(());
             }
             status = child.wait() => {
+                process::kill_group(leader);
                 return Err(EngineError::Failed(format!("vLLM exited during start-up: {}", status.map_err(|e| EngineError::Failed(e.to_string()))?)));
             }
             _ = tokio::time::sleep(Duration::from_millis(500)) => {}
@@ -198,7 +200,10 @@ async fn run_once(
             let _ = process::terminate(&mut child, STOP_GRACE).await;
             Ok(())
         }
-        status = child.wait() => Err(EngineError::Failed(format!("vLLM exited: {}", status.map_err(|e| EngineError::Failed(e.to_string()))?))),
+        status = child.wait() => {
+            process::kill_group(leader);
+            Err(EngineError::Failed(format!("vLLM exited: {}", status.map_err(|e| EngineError::Failed(e.to_string()))?)))
+        }
     }
 }
 

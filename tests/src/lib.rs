@@ -345,15 +345,21 @@ impl Daemon {
 
     /// Waits until the series `name` reads at least `value`, failing after `limit`.
     pub async fn wait_metric(&self, name: &str, value: f64, limit: Duration) {
+        self.wait_metric_where(name, &format!("at least {value}"), |v| v >= value, limit).await;
+    }
+
+    /// Waits until the series `name` satisfies `wanted` (described by `what`),
+    /// failing after `limit`.
+    pub async fn wait_metric_where(&self, name: &str, what: &str, wanted: impl Fn(f64) -> bool, limit: Duration) {
         let deadline = tokio::time::Instant::now() + limit;
         loop {
             let now = self.metric(name).await;
-            if now.is_some_and(|v| v >= value) {
+            if now.is_some_and(&wanted) {
                 return;
             }
             assert!(
                 tokio::time::Instant::now() < deadline,
-                "{} {name} is {now:?}, not {value}, after {limit:?}",
+                "{} {name} is {now:?}, not {what}, after {limit:?}",
                 self.name
             );
             tokio::time::sleep(Duration::from_millis(100)).await;

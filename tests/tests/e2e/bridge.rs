@@ -30,8 +30,15 @@ impl Answer {
     }
 }
 
+fn chat_url(decoded: &Daemon) -> String {
+    format!("http://{}/v1/chat/completions", decoded.front.expect("front door"))
+}
+
 async fn chat(decoded: &Daemon, messages: &Value, mode: &str) -> Answer {
-    let url = format!("http://{}/v1/chat/completions", decoded.front.expect("front door"));
+    chat_at(&chat_url(decoded), messages, mode).await
+}
+
+async fn chat_at(url: &str, messages: &Value, mode: &str) -> Answer {
     let body = json!({"messages": messages, "max_tokens": 8, "temperature": 0});
     let response = reqwest::Client::new()
         .post(url)
@@ -170,6 +177,37 @@ async fn bridged_answers_on_real_engines() {
     let prefills = logged(&prefilld, "prefill done", prefills_before + 1).await.len();
     assert_eq!(prefills, prefills_before + 1, "one prefill for both requests");
 
+    // 4c. Sixteen chats at once, cold (bridged), warm (cached) and native mixed: every one is
+    // answered with its verdict, and decoded's memory stays bounded (blocks stream through it,
+    // never pile up in it).
+    let cold: Vec<Value> = (0..6)
+        // A question first: no block of these is shared with any other prompt of this test.
+        .map(|i| user(&format!("Question {i}: who may use this?\n\n{}", paragraphs[4 + i..6 + i].join("\n\n"))))
+        .collect();
+    let mixed = (0..16).map(|i| match i % 3 {
+        0 if i / 3 < cold.len() => (cold[i / 3].clone(), "auto", "bridged"),
+        1 => (first.clone(), "auto", "cached"),
+        _ => (first.clone(), "native", "native"),
+    });
+    let url = chat_url(&decoded);
+    let in_flight: Vec<_> = mixed
+        .map(|(messages, mode, want)| {
+            let url = url.clone();
+            tokio::spawn(async move { (chat_at(&url, &messages, mode).await, want) })
+        })
+        .collect();
+    let mut answers = Vec::new();
+    for request in in_flight {
+        answers.push(request.await.unwrap());
+    }
+    for (answer, want) in &answers {
+        assert_eq!(answer.status, 200, "{:?}", answer.body);
+        assert_eq!(answer.verdict["outcome"], *want, "{}", answer.verdict);
+        assert_eq!(answer.verdict["cached_tokens"].as_u64(), Some(answer.cached_tokens()), "{}", answer.verdict);
+    }
+    let peak_rss_mb = peak_rss_mb(decoded.pid());
+    assert!(peak_rss_mb < DECODED_PEAK_RSS_MB, "decoded's peak RSS {peak_rss_mb} MB");
+
     // 5. A restarted decoded still serves every committed block.
     decoded.terminate();
     assert_eq!(decoded.wait(Duration::from_secs(60)).await.code(), Some(0));
@@ -217,38 +255,32 @@ async fn bridged_answers_on_real_engines() {
     assert_eq!((required.status, &required.verdict["reason"]), (502, &json!("timeout")), "{}", required.verdict);
     drop(hasty);
 
+    // 5d. vLLM crashes mid-prefill: the answer is honest about what landed, and prefilld
+    // restarts its engine.
+    let vllm = prefilld.children();
+    assert_eq!(vllm.len(), 1, "prefilld runs one vLLM server: {vllm:?}");
+    let crash_prompt = user(&format!("{}\n\nWhat is licensed?", paragraphs[24..32].join("\n\n")));
+    let crashed = chat_with_fault_mid_bridge(&decoded, &crash_prompt, || {
+        // SAFETY: kill(2) on prefilld's vLLM child, found a moment ago.
+        assert_eq!(unsafe { libc::kill(vllm[0], libc::SIGKILL) }, 0);
+    })
+    .await;
+    assert_fault_verdict(&crashed, &["prefill_failed", "transfer_failed"]);
+    let stray = stray_files(&decoded, &store).await;
+    assert!(stray.is_empty(), "nothing torn: {stray:?}");
+    prefilld.wait_metric("pdbridge_engine_restarts_total{engine=\"vllm\"}", 1.0, Duration::from_secs(60)).await;
+    prefilld.wait_ready(Duration::from_secs(900)).await;
+
     // 6. prefilld dies (SIGKILL) mid-bridge: the blocks that landed stay and are used, the verdict
     // says how far the bridge got, and prefilld's engine processes die with it.
     let long_prompt = user(&format!("{}\n\nWhat does this grant?", paragraphs[14..24].join("\n\n")));
-    let committed = "pdbridge_store_blocks_committed_total";
-    let committed_before = decoded.metric(committed).await.unwrap();
-    let cut = tokio::spawn({
-        let url = format!("http://{}/v1/chat/completions", decoded.front.unwrap());
-        let body = json!({"messages": long_prompt, "max_tokens": 8, "temperature": 0});
-        async move { reqwest::Client::new().post(url).json(&body).send().await.unwrap() }
-    });
-    decoded.wait_metric(committed, committed_before + 1.0, Duration::from_secs(300)).await;
     let vllm = prefilld.children();
     assert!(!vllm.is_empty(), "prefilld runs vLLM");
-    prefilld.kill();
+    let cut = chat_with_fault_mid_bridge(&decoded, &long_prompt, || prefilld.kill()).await;
     prefilld.wait(Duration::from_secs(30)).await;
-    let cut = cut.await.unwrap();
-    assert_eq!(cut.status().as_u16(), 200);
-    let verdict: Value = serde_json::from_str(cut.headers()["x-pd-bridge"].to_str().unwrap()).unwrap();
-    let body: Value = cut.json().await.unwrap();
-    assert_eq!(verdict["cached_tokens"], body["usage"]["prompt_tokens_details"]["cached_tokens"], "{verdict}");
-    // Usually partial; bridged if the last block beat the kill; native if no block of the
-    // contiguous prefix had landed. Whatever landed and is used is counted.
-    match verdict["outcome"].as_str().unwrap() {
-        "partial" => {
-            assert_eq!(verdict["reason"], "transfer_failed", "{verdict}");
-            assert!(verdict["blocks"].as_u64().unwrap() >= 1, "{verdict}");
-        }
-        "bridged" => assert!(verdict["blocks"].as_u64().unwrap() >= 1, "{verdict}"),
-        "native" => assert_eq!(verdict["reason"], "transfer_failed", "{verdict}"),
-        other => panic!("unexpected outcome {other}: {verdict}"),
-    }
-    assert!(stray_files(&store).is_empty(), "nothing torn: {:?}", stray_files(&store));
+    assert_fault_verdict(&cut, &["transfer_failed"]);
+    let stray = stray_files(&decoded, &store).await;
+    assert!(stray.is_empty(), "nothing torn: {stray:?}");
     for pid in vllm {
         let gone = async {
             while std::path::Path::new(&format!("/proc/{pid}")).exists() {
@@ -366,8 +398,49 @@ async fn block_file(decoded: &Daemon, store: &std::path::Path, messages: &Value,
     path
 }
 
-/// Files in the store's temp directory (a commit in progress or torn).
-fn stray_files(store: &std::path::Path) -> Vec<std::path::PathBuf> {
+/// decoded's peak RSS bound: its own buffers (Push streams of at most `max_open_blocks` blocks
+/// each, requests in flight), not the store, which lives on disk.
+const DECODED_PEAK_RSS_MB: u64 = 400;
+
+/// A process's peak resident set (VmHWM), from Linux's procfs.
+fn peak_rss_mb(pid: i32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let kb = status.lines().find_map(|l| l.strip_prefix("VmHWM:")).unwrap().trim().trim_end_matches(" kB");
+    kb.trim().parse::<u64>().unwrap() / 1024
+}
+
+/// Sends a chat and runs `fault` once the first block of its bridge has been committed.
+async fn chat_with_fault_mid_bridge(decoded: &Daemon, messages: &Value, fault: impl FnOnce()) -> Answer {
+    let committed = "pdbridge_store_blocks_committed_total";
+    let committed_before = decoded.metric(committed).await.unwrap();
+    let answer = async { chat(decoded, messages, "auto").await };
+    let fault = async {
+        decoded.wait_metric(committed, committed_before + 1.0, Duration::from_secs(300)).await;
+        fault();
+    };
+    tokio::join!(answer, fault).0
+}
+
+/// A bridge cut by a fault still answers, and its verdict agrees with what the engine restored:
+/// usually partial; bridged if the last block beat the fault; native if no block of the
+/// contiguous prefix had landed.
+fn assert_fault_verdict(answer: &Answer, reasons: &[&str]) {
+    let v = &answer.verdict;
+    assert_eq!(answer.status, 200, "{:?}", answer.body);
+    assert_eq!(v["cached_tokens"].as_u64(), Some(answer.cached_tokens()), "{v}");
+    let reason_ok = || reasons.iter().any(|r| v["reason"] == *r);
+    match v["outcome"].as_str().unwrap() {
+        "partial" => assert!(reason_ok() && v["blocks"].as_u64().unwrap() >= 1, "{v}"),
+        "bridged" => assert!(v["blocks"].as_u64().unwrap() >= 1, "{v}"),
+        "native" => assert!(reason_ok(), "{v}"),
+        other => panic!("unexpected outcome {other}: {v}"),
+    }
+}
+
+/// Files in the store's temp directory (torn commits), once no Push stream is open.
+async fn stray_files(decoded: &Daemon, store: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let streams = "pdbridge_push_streams_in_flight";
+    decoded.wait_metric_where(streams, "0", |n| n == 0.0, Duration::from_secs(60)).await;
     std::fs::read_dir(store.join("tmp")).map(|d| d.flatten().map(|e| e.path()).collect()).unwrap_or_default()
 }
 

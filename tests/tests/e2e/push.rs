@@ -266,3 +266,97 @@ async fn bad_shards_are_refused_and_committed_blocks_survive() {
     assert_eq!(quarantine, 0, "no block file was torn");
     assert!(stray_files(&store).is_empty());
 }
+
+/// A tmpfs of `bytes` mounted at a directory for the test's life: a disk that
+/// really fills up. Mounting needs root, which the test rig and CI have.
+struct SmallDisk(std::path::PathBuf);
+
+impl SmallDisk {
+    fn mount(dir: std::path::PathBuf, bytes: u64) -> SmallDisk {
+        std::fs::create_dir_all(&dir).unwrap();
+        let status = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={bytes}"), "tmpfs"])
+            .arg(&dir)
+            .status()
+            .expect("run mount");
+        assert!(status.success(), "cannot mount a tmpfs at {} (the disk-full test needs root)", dir.display());
+        SmallDisk(dir)
+    }
+
+    /// Bytes an unprivileged writer may still use.
+    fn free(&self) -> u64 {
+        use std::os::unix::ffi::OsStrExt;
+        let path = std::ffi::CString::new(self.0.as_os_str().as_bytes()).unwrap();
+        let mut stat = std::mem::MaybeUninit::<libc::statvfs>::uninit();
+        // SAFETY: a valid NUL-terminated path and writable statvfs storage.
+        assert_eq!(unsafe { libc::statvfs(path.as_ptr(), stat.as_mut_ptr()) }, 0);
+        // SAFETY: statvfs returned 0, so it filled the struct.
+        let stat = unsafe { stat.assume_init() };
+        #[allow(clippy::unnecessary_cast)] // the field types differ between platforms
+        let free = stat.f_bavail as u64 * stat.f_frsize as u64;
+        free
+    }
+
+    /// Fills the disk (beside the store) until `left` bytes are free.
+    fn fill_to(&self, left: u64) {
+        let filler = self.0.join("filler");
+        let _ = std::fs::remove_file(&filler);
+        std::fs::write(&filler, vec![0u8; (self.free() - left) as usize]).unwrap();
+    }
+
+    fn unfill(&self) {
+        std::fs::remove_file(self.0.join("filler")).unwrap();
+    }
+}
+
+impl Drop for SmallDisk {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount").arg("-l").arg(&self.0).status();
+    }
+}
+
+#[tokio::test]
+async fn a_full_disk_refuses_blocks_cleanly_then_evicts_to_make_room() {
+    let engines = Engines::locate();
+    let scratch = Scratch::new("diskfull");
+    // The store is the small disk itself; the engine's socket and bundle sit beside it.
+    let disk = SmallDisk::mount(scratch.0.join("store"), 4 << 20);
+    let store = disk.0.clone();
+    let config = engines.decoded_config(&store, BLOCK_TOKENS, "[front]\nlisten = \"127.0.0.1:0\"\n");
+    let decoded = Daemon::start("decoded", &config).await;
+    decoded.wait_ready(Duration::from_secs(300)).await;
+    let mut client = CacheStoreClient::new(decoded.channel().await).max_decoding_message_size(64 << 20);
+    let spec = client.get_spec(GetSpecRequest {}).await.unwrap().into_inner();
+    let tokens: Vec<u32> = (300..300 + 4 * BLOCK_TOKENS).collect();
+    let open = |first_block| PushOpen {
+        request_id: "disk".into(),
+        spec_fingerprint: spec.spec_fingerprint.clone(),
+        token_ids: tokens.clone(),
+        first_block,
+    };
+    let block_bytes: u64 = spec::bytes_per_token(&spec) * BLOCK_TOKENS as u64;
+
+    // No room and nothing to evict: RESOURCE_EXHAUSTED, nothing stored, nothing left behind.
+    disk.fill_to(block_bytes / 2);
+    let err = push(&mut client, frames(open(0), block_shards(&spec, 0, 1), Some(1))).await.unwrap_err();
+    assert_eq!(err.code(), Code::ResourceExhausted, "{err:?}");
+    assert!(err.message().contains("no space"), "{err:?}");
+    assert_eq!(cached_blocks(&mut client, &tokens).await, 0);
+    assert!(stray_files(&store).is_empty(), "{:?}", stray_files(&store));
+
+    // Room again: blocks commit.
+    disk.unfill();
+    let shards: Vec<Shard> = (0..3).flat_map(|b| block_shards(&spec, b, 1)).collect();
+    let receipt = push(&mut client, frames(open(0), shards, Some(3))).await.unwrap();
+    assert_eq!(receipt.blocks_committed, 3, "{}", receipt.reason);
+
+    // Full again, but with cold blocks: the coldest is evicted to make room for the new one.
+    disk.fill_to(block_bytes / 2);
+    let evictions = "pdbridge_store_evictions_total";
+    let evicted_before = decoded.metric(evictions).await.unwrap();
+    let receipt = push(&mut client, frames(open(3), block_shards(&spec, 3, 1), Some(1))).await.unwrap();
+    assert_eq!(receipt.blocks_committed, 1, "{}", receipt.reason);
+    assert!(decoded.metric(evictions).await.unwrap() > evicted_before, "a cold block made room");
+    assert!(cached_blocks(&mut client, &tokens).await < 4, "a block of the four was evicted");
+    assert!(stray_files(&store).is_empty(), "{:?}", stray_files(&store));
+}

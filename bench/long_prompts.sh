@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Long prompts end to end (see bench/long_prompts.py): installs the engines, builds the
+# release daemons and the generated long-context checkpoint, then runs the bench.
+#
+#   bench/long_prompts.sh [--lengths 16384,32768,65536,131072] [--native-max 32768]
+#
+# Results: bench/results/long_prompts.json; logs in var/bench-long/.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup-engines.sh
+.venv/bin/python scripts/prepare-model.py
+.venv/bin/python scripts/make-tiny-model.py --family llama-long
+cargo build --workspace --bins --locked --release
+exec .venv/bin/python bench/long_prompts.py "$@"
