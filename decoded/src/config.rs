@@ -13,9 +13,13 @@ pub struct Config {
     pub log: LogConfig,
     #[serde(default)]
     pub store: StoreConfig,
-    /// The decode engine. Without it decoded serves nothing but health, which
-    /// stays NOT_SERVING.
+    /// The decode engine. Without it (and without `spec_file`) decoded serves
+    /// nothing but health, which stays NOT_SERVING.
     pub engine: Option<EngineConfig>,
+    /// Instead of an engine: a fixed spec (the adapter's `info` reply as
+    /// JSON). decoded then stores blocks and serves `CacheStore` without a
+    /// decode engine; the front door answers 503. For tests and store-only hosts.
+    pub spec_file: Option<PathBuf>,
     #[serde(default)]
     pub front: FrontConfig,
 }
@@ -24,6 +28,9 @@ impl Validate for Config {
     fn validate(&self) -> Result<(), ConfigError> {
         self.server.validate()?;
         self.store.validate()?;
+        if self.engine.is_some() && self.spec_file.is_some() {
+            return Err(ConfigError::invalid("spec_file", "give either an [engine] or a spec_file, not both"));
+        }
         self.front.validate()
     }
 }

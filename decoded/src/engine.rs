@@ -35,6 +35,8 @@ use crate::config::EngineConfig;
 pub enum EngineError {
     #[error("decode engine is not ready")]
     NotReady,
+    #[error("decoded runs on a fixed spec (spec_file) without a decode engine")]
+    SpecOnly,
     #[error("decode engine connection: {0}")]
     Io(#[from] std::io::Error),
     #[error("decode engine sent an unreadable reply: {0}")]
@@ -178,13 +180,36 @@ pub struct EngineInfo {
 /// (None while the engine is down).
 #[derive(Clone)]
 pub struct Engine {
-    socket: PathBuf,
+    /// The adapter's socket; None when decoded runs on a fixed spec without
+    /// an engine ([`Engine::fixed`]).
+    socket: Option<PathBuf>,
     info: watch::Receiver<Option<Arc<EngineInfo>>>,
 }
 
 impl Engine {
+    /// A decoder that publishes the spec in `path` (an adapter `info` reply,
+    /// as JSON) and stores blocks, with no engine to tokenize or generate:
+    /// the store and `CacheStore` work as with one, the front door answers 503.
+    pub fn fixed(path: &Path, block_tokens: u32) -> Result<Engine, EngineError> {
+        let read = |e: &dyn std::fmt::Display| EngineError::Protocol(format!("spec file {}: {e}", path.display()));
+        let text = std::fs::read_to_string(path).map_err(|e| read(&e))?;
+        let info = to_spec(serde_json::from_str(&text).map_err(|e| read(&e))?)?;
+        if info.spec.block_tokens != block_tokens {
+            return Err(read(&format!(
+                "block_tokens {} differs from store.block_tokens {block_tokens}",
+                info.spec.block_tokens
+            )));
+        }
+        let (_, info) = watch::channel(Some(Arc::new(info)));
+        Ok(Engine { socket: None, info })
+    }
+
     pub fn info(&self) -> Result<Arc<EngineInfo>, EngineError> {
         self.info.borrow().clone().ok_or(EngineError::NotReady)
+    }
+
+    fn socket(&self) -> Result<&Path, EngineError> {
+        self.socket.as_deref().ok_or(EngineError::SpecOnly)
     }
 
     /// The decoder's token ids for a chat or a plain prompt.
@@ -200,7 +225,7 @@ impl Engine {
         struct Reply {
             tokens: Vec<u32>,
         }
-        let mut lines = request(&self.socket, &Req { op: "tokenize", input }).await?;
+        let mut lines = request(self.socket()?, &Req { op: "tokenize", input }).await?;
         let reply: Reply = next_reply(&mut lines).await?;
         Ok(reply.tokens)
     }
@@ -214,7 +239,7 @@ impl Engine {
             #[serde(flatten)]
             req: &'a GenerateRequest<'b>,
         }
-        let lines = request(&self.socket, &Req { op: "generate", req }).await?;
+        let lines = request(self.socket()?, &Req { op: "generate", req }).await?;
         Ok(Generation { lines, finished: false, first: None })
     }
 }
@@ -350,7 +375,7 @@ pub fn supervise(
     stop: CancellationToken,
 ) -> (Engine, tokio::task::JoinHandle<()>) {
     let (info_tx, info_rx) = watch::channel(None);
-    let engine = Engine { socket: config.socket.clone(), info: info_rx };
+    let engine = Engine { socket: Some(config.socket.clone()), info: info_rx };
     let task = tokio::spawn(async move {
         let on_down = || {
             readiness.set(false);

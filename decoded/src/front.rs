@@ -128,7 +128,7 @@ impl From<openai::InvalidRequest> for FrontError {
 impl From<EngineError> for FrontError {
     fn from(e: EngineError) -> Self {
         match e {
-            EngineError::NotReady => FrontError::EngineUnavailable,
+            EngineError::NotReady | EngineError::SpecOnly => FrontError::EngineUnavailable,
             EngineError::BadRequest(m) => FrontError::EngineRefused(m),
             other => FrontError::Engine(other.to_string()),
         }

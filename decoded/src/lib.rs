@@ -80,13 +80,19 @@ pub async fn serve(listeners: Listeners, config: Config, shutdown: Shutdown) -> 
     let store = Arc::new(store);
     // The engine outlives the drain: in-flight generations still need it.
     let engine_stop = CancellationToken::new();
-    let (engine, engine_task) = match config.engine.clone() {
-        Some(engine) => {
+    let (engine, engine_task) = match (config.engine.clone(), &config.spec_file) {
+        (Some(engine), _) => {
             let (engine, task) =
                 engine::supervise(engine, config.store.block_tokens, readiness.clone(), engine_stop.clone());
             (Some(engine), Some(task))
         }
-        None => {
+        (None, Some(spec_file)) => {
+            let engine = engine::Engine::fixed(spec_file, config.store.block_tokens)?;
+            tracing::info!(spec_file = %spec_file.display(), "serving a fixed spec without a decode engine");
+            readiness.set(true);
+            (Some(engine), None)
+        }
+        (None, None) => {
             tracing::warn!("no [engine] configured: decoded will never be ready");
             (None, None)
         }

@@ -73,6 +73,41 @@ pub fn loopback_config(daemon: &str, drain_timeout: &str) -> String {
     config
 }
 
+/// decoded without an engine, on a fixed spec written into `dir` (2 layers of
+/// fp32 K/V, 2 KV heads of 8 dims, blocks of `block_tokens`): the store and
+/// `CacheStore` behave as with an engine, at none of its cost. `extra` is
+/// appended (e.g. more `[store]` keys).
+pub fn fixed_spec_config(dir: &Path, store_dir: &Path, block_tokens: u32, extra: &str) -> String {
+    use sha2::Digest;
+    std::fs::create_dir_all(dir).unwrap();
+    let bundle = dir.join("bundle.bin");
+    let bundle_bytes: Vec<u8> = (0..100_000u32).map(|i| (i % 251) as u8).collect();
+    std::fs::write(&bundle, &bundle_bytes).unwrap();
+    let sha: String = sha2::Sha256::digest(&bundle_bytes).iter().map(|b| format!("{b:02x}")).collect();
+    let layer = |index: u32| {
+        let tensor =
+            |name: &str| serde_json::json!({"name": name, "dtype": "F32", "shape": [1, 2, 1, 8], "token_axis": 2});
+        serde_json::json!({
+            "index": index, "cache_class": "KVCache", "tensors": [tensor("keys"), tensor("values")],
+            "rope": {"kind": "default", "base": 10000.0, "traditional": false, "dims": 8},
+        })
+    };
+    let info = serde_json::json!({
+        "model_id": "fixed-spec", "bundle_path": bundle, "bundle_sha256": sha, "tokenizer_sha256": "00",
+        "spec": {
+            "architecture": "LlamaForCausalLM", "num_layers": 2, "num_attention_heads": 4, "num_kv_heads": 2,
+            "head_dim": 8, "hidden_size": 32, "vocab_size": 49152, "max_context": 8192,
+            "block_tokens": block_tokens, "layers": [layer(0), layer(1)],
+        },
+    });
+    let spec_file = dir.join("spec.json");
+    std::fs::write(&spec_file, info.to_string()).unwrap();
+    format!(
+        "spec_file = {spec_file:?}\n{server}[store]\ndir = {store_dir:?}\nblock_tokens = {block_tokens}\n{extra}",
+        server = loopback_config("decoded", "5s"),
+    )
+}
+
 /// A running daemon process.
 pub struct Daemon {
     pub name: String,

@@ -115,6 +115,13 @@ async fn invalid_config_exits_2_naming_the_key() {
         (vec!["--config", good], vec![("PDB_SERVER__DRAIN_TIMEOUT", "soon")], "server.drain_timeout"),
         (vec!["--config", good, "--set", "server.http2.max_frame_bytes=7"], vec![], "server.http2.max_frame_bytes"),
     ];
+    // decoded: an engine and a fixed spec at once.
+    let decoded_server = loopback_config("decoded", "1s");
+    let both =
+        scratch.write("both.toml", &format!("spec_file = \"/spec.json\"\n{decoded_server}[engine]\nmodel = \"m\"\n"));
+    let (status, stderr) = run_to_exit("decoded", &["--config", both.to_str().unwrap()], &[]).await;
+    assert_eq!(status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("spec_file"), "{stderr}");
     for (name, _) in DAEMONS {
         for (args, env, key) in &cases {
             let (status, stderr) = run_to_exit(name, args, env).await;

@@ -1,6 +1,7 @@
-//! `CacheStore.Push` against a real decoded (real decode engine, real store):
-//! bad shards are refused with precise statuses, completed blocks survive a cut
-//! stream and a restart, and nothing partial ever appears in the store.
+//! `CacheStore.Push` against a real decoded (real store; the decode engine
+//! only where it matters, a fixed spec elsewhere): bad shards are refused with
+//! precise statuses, completed blocks survive a cut stream, a crash and a
+//! restart, and nothing partial ever appears in the store.
 //!
 //! Shard payloads here are arbitrary bytes of the right size: the store does
 //! not interpret cache values, and what is under test is framing, verification
@@ -17,7 +18,7 @@ use pdbridge_common::{
     shard::{self, TensorId},
     spec,
 };
-use pdbridge_tests::{Daemon, Engines, Scratch};
+use pdbridge_tests::{Daemon, Engines, Scratch, fixed_spec_config};
 use tokio_stream::StreamExt;
 use tonic::{Code, transport::Channel};
 
@@ -72,17 +73,12 @@ fn stray_files(store: &std::path::Path) -> Vec<String> {
 
 #[tokio::test]
 async fn bad_shards_are_refused_and_committed_blocks_survive() {
-    let engines = Engines::locate();
     let scratch = Scratch::new("push");
     let store = scratch.0.join("store");
     // Three Push streams at once at most, each cut after 3 s without a frame
     // (pushes below send their frames at once, so only the idle ones are cut).
     let limits = "max_push_streams = 3\npush_idle_timeout = \"3s\"\n";
-    let config = engines.decoded_config(&store, BLOCK_TOKENS, "[front]\nlisten = \"127.0.0.1:0\"\n").replacen(
-        "[engine]",
-        &format!("{limits}[engine]"),
-        1,
-    );
+    let config = fixed_spec_config(&scratch.0.join("spec"), &store, BLOCK_TOKENS, limits);
     let mut decoded = Daemon::start("decoded", &config).await;
     decoded.wait_ready(Duration::from_secs(300)).await;
     let mut client = CacheStoreClient::new(decoded.channel().await).max_decoding_message_size(64 << 20);
