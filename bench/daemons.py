@@ -99,6 +99,7 @@ format = "json"
 dir = "{run}/store"
 block_tokens = {BLOCK_TOKENS}
 budget_bytes = 17179869184
+push_idle_timeout = "3600s"
 [engine]
 python = "{ROOT}/.venv/bin/python"
 adapter_dir = "{ROOT}/decoded/engine"

@@ -66,7 +66,7 @@ impl Default for StoreConfig {
             block_tokens: 256,
             max_open_blocks: 4,
             max_push_streams: 32,
-            push_idle_timeout: Duration::from_secs(60),
+            push_idle_timeout: Duration::from_secs(600),
         }
     }
 }
