@@ -165,9 +165,11 @@ fn register_metrics() {
     metrics::gauge!("pdbridge_front_requests_in_flight").set(0.0);
     metrics::describe_gauge!("pdbridge_push_streams_in_flight", "Push streams in progress.");
     metrics::gauge!("pdbridge_push_streams_in_flight").set(0.0);
+    metrics::describe_gauge!("pdbridge_store_leased_blocks", "Blocks held for running generations (never evicted).");
+    metrics::gauge!("pdbridge_store_leased_blocks").set(0.0);
     for (name, help) in [
-        ("pdbridge_store_evictions_total", "Blocks evicted to stay within the store budget."),
-        ("pdbridge_store_quarantined_total", "Block files quarantined at start (name and contents disagree)."),
+        ("pdbridge_store_evictions_total", "Blocks evicted to stay within the store budget or free space."),
+        ("pdbridge_store_quarantined_total", "Block files quarantined (name, contents or checksum disagree)."),
         ("pdbridge_store_blocks_committed_total", "Blocks committed from Push streams."),
         ("pdbridge_push_bytes_total", "Bytes of blocks committed from Push streams."),
     ] {

@@ -137,6 +137,8 @@ struct Index {
     /// Keys some thread is writing now: a second commit of one of them waits
     /// for the first instead of racing it to the same file.
     committing: std::collections::HashSet<BlockKey>,
+    /// Blocks with at least one lease (`pdbridge_store_leased_blocks`).
+    leased_blocks: usize,
     by_tick: BTreeMap<u64, BlockKey>,
     next_tick: u64,
     total_bytes: u64,
@@ -170,6 +172,9 @@ impl Index {
 
     fn remove(&mut self, key: &BlockKey) -> Option<u64> {
         let entry = self.entries.remove(key)?;
+        if entry.leases > 0 {
+            self.leased_blocks -= 1;
+        }
         self.by_tick.remove(&entry.tick);
         self.total_bytes -= entry.bytes;
         Some(entry.bytes)
@@ -310,11 +315,15 @@ impl Store {
         for key in keys {
             let Some(entry) = index.entries.get_mut(key) else { break };
             entry.leases += 1;
+            if entry.leases == 1 {
+                index.leased_blocks += 1;
+            }
             leased.push(*key);
         }
         for key in &leased {
             index.touch(key);
         }
+        metrics::gauge!("pdbridge_store_leased_blocks").set(index.leased_blocks as f64);
         let paths = leased.iter().map(|k| self.path_of(k)).collect();
         Lease { store: self.clone(), keys: leased, paths }
     }
@@ -511,8 +520,12 @@ impl Drop for Lease {
         for key in &self.keys {
             if let Some(entry) = index.entries.get_mut(key) {
                 entry.leases -= 1;
+                if entry.leases == 0 {
+                    index.leased_blocks -= 1;
+                }
             }
         }
+        metrics::gauge!("pdbridge_store_leased_blocks").set(index.leased_blocks as f64);
     }
 }
 

@@ -401,3 +401,63 @@ impl Daemon {
         }
     }
 }
+
+/// Speaking `CacheStore` to a decoded as prefilld would: shards of blocks of
+/// arbitrary bytes with the spec's exact shapes (the store does not
+/// interpret cache values), Push streams and lookups.
+pub mod cache_store {
+    use bytes::Bytes;
+    use pdbridge_common::{
+        proto::{
+            CacheSpec, LookupRequest, PushFrame, PushOpen, PushReceipt, PushSeal, Shard,
+            cache_store_client::CacheStoreClient, push_frame::Frame,
+        },
+        shard::{self, TensorId},
+        spec,
+    };
+    use tonic::transport::Channel;
+
+    /// Every shard of block `index`: each tensor split in two, bytes derived from `seed`.
+    pub fn block_shards(spec: &CacheSpec, index: u32, seed: u8) -> Vec<Shard> {
+        let mut shards = Vec::new();
+        for layer in &spec.layers {
+            for tensor in &layer.tensors {
+                let expected = spec::block_tensor(spec, layer.index, &tensor.name).unwrap();
+                let len = expected.byte_len() as usize;
+                let data: Vec<u8> = (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect();
+                let id = TensorId {
+                    block_index: index,
+                    layer: layer.index,
+                    tensor: tensor.name.clone(),
+                    dtype: expected.dtype,
+                    shape: expected.shape.clone(),
+                };
+                shards.extend(shard::split(&id, Bytes::from(data), len.div_ceil(2)));
+            }
+        }
+        shards
+    }
+
+    pub fn frames(open: PushOpen, shards: Vec<Shard>, seal: Option<u32>) -> Vec<PushFrame> {
+        let mut out = vec![PushFrame { frame: Some(Frame::Open(open)) }];
+        out.extend(shards.into_iter().map(|s| PushFrame { frame: Some(Frame::Shard(s)) }));
+        out.extend(seal.map(|n| PushFrame { frame: Some(Frame::Seal(PushSeal { blocks_emitted: n })) }));
+        out
+    }
+
+    pub async fn push(
+        client: &mut CacheStoreClient<Channel>,
+        frames: Vec<PushFrame>,
+    ) -> Result<PushReceipt, tonic::Status> {
+        client.push(tokio_stream::iter(frames)).await.map(|r| r.into_inner())
+    }
+
+    pub async fn cached_blocks(client: &mut CacheStoreClient<Channel>, tokens: &[u32]) -> u32 {
+        client
+            .lookup(LookupRequest { token_ids: tokens.to_vec(), spec_fingerprint: String::new() })
+            .await
+            .unwrap()
+            .into_inner()
+            .cached_blocks
+    }
+}

@@ -118,3 +118,81 @@ async fn a_decode_engine_crash_mid_answer_ends_it_cleanly_and_the_engine_returns
     assert_eq!(answered.status().as_u16(), 200, "{:?}", answered.text().await);
     assert_ne!(decoded.children(), engine, "a new engine process");
 }
+
+/// The store lease of a request lasts until its generation ends, not just until the request is
+/// handed to the engine: blocks that wait in the engine's queue cannot be evicted under them.
+#[tokio::test]
+async fn blocks_waiting_in_the_engine_queue_are_not_evicted() {
+    use pdbridge_common::proto::{GetSpecRequest, PushOpen, cache_store_client::CacheStoreClient};
+    use pdbridge_tests::cache_store::{block_shards, frames, push};
+
+    let engines = Engines::locate();
+    let scratch = Scratch::new("lease");
+    let store = scratch.0.join("store");
+    // The prompt's whole blocks, of 16 tokens.
+    let messages = json!([{"role": "user", "content": "Count the blocks: one, two, three, four, five."}]);
+    let whole: u32 = 2;
+    // Room for the prompt's blocks (16 tokens x 46,080 B each) and their headers, no more.
+    let budget = whole as usize * 16 * 46_080 + 64 * 1024;
+    let config = engines.decoded_config(&store, 16, "[front]\nlisten = \"127.0.0.1:0\"\n").replacen(
+        "[engine]",
+        &format!("budget_bytes = {budget}\n[engine]"),
+        1,
+    );
+    let decoded = Daemon::start("decoded", &config).await;
+    decoded.wait_ready(Duration::from_secs(300)).await;
+    let front = decoded.front.unwrap();
+    let client = reqwest::Client::new();
+    let mut grpc = CacheStoreClient::new(decoded.channel().await);
+    let spec = grpc.get_spec(GetSpecRequest {}).await.unwrap().into_inner();
+    let push_blocks = |tokens: Vec<u32>| {
+        let mut grpc = grpc.clone();
+        let open = PushOpen {
+            request_id: "lease".into(),
+            spec_fingerprint: spec.spec_fingerprint.clone(),
+            token_ids: tokens,
+            first_block: 0,
+        };
+        let shards = (0..whole).flat_map(|b| block_shards(&spec, b, 9)).collect();
+        async move { push(&mut grpc, frames(open, shards, Some(whole))).await.unwrap() }
+    };
+
+    // The prompt's whole blocks are stored (as a prefiller would push them).
+    let tokenized: Value = client
+        .post(format!("http://{front}/pd/v1/tokenize"))
+        .json(&json!({"messages": messages}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let tokens: Vec<u32> = serde_json::from_value(tokenized["tokens"].clone()).unwrap();
+    assert_eq!(tokens.len() as u32 / 16, whole, "{} tokens: {whole} whole blocks and a tail", tokens.len());
+    assert_eq!(push_blocks(tokens).await.blocks_committed, whole);
+
+    // The engine is busy with an endless answer, so the next request waits in its queue.
+    let url = format!("http://{front}/v1/completions");
+    let mut busy = client.post(&url).json(&completion(ENDLESS, 4000, true)).send().await.unwrap();
+    busy.chunk().await.unwrap().expect("a first event");
+    let queued = tokio::spawn({
+        let request = client
+            .post(format!("http://{front}/v1/chat/completions"))
+            .json(&json!({"messages": messages, "max_tokens": 2, "temperature": 0}));
+        async move { request.send().await.unwrap() }
+    });
+    decoded.wait_metric("pdbridge_store_leased_blocks", whole as f64, Duration::from_secs(60)).await;
+
+    // New blocks overflow the budget while the queued request holds its lease: eviction
+    // must pick the new blocks, not the leased ones.
+    let evicted_before = decoded.metric("pdbridge_store_evictions_total").await.unwrap();
+    push_blocks((7000..7000 + whole * 16).collect()).await;
+    assert!(decoded.metric("pdbridge_store_evictions_total").await.unwrap() > evicted_before);
+
+    drop(busy);
+    let answered = queued.await.unwrap();
+    assert_eq!(answered.status().as_u16(), 200);
+    let verdict: Value = serde_json::from_str(answered.headers()["x-pd-bridge"].to_str().unwrap()).unwrap();
+    assert_eq!((&verdict["outcome"], &verdict["cached_tokens"]), (&json!("cached"), &json!(whole * 16)), "{verdict}");
+    assert_eq!(std::fs::read_dir(store.join("quarantine")).unwrap().count(), 0, "no block went missing");
+}

@@ -9,61 +9,22 @@
 
 use std::time::Duration;
 
-use bytes::Bytes;
 use pdbridge_common::{
     proto::{
-        CacheSpec, GetBundleRequest, GetSpecRequest, LookupRequest, PushFrame, PushOpen, PushReceipt, PushSeal, Shard,
-        cache_store_client::CacheStoreClient, push_frame::Frame,
+        GetBundleRequest, GetSpecRequest, PushFrame, PushOpen, PushSeal, Shard, cache_store_client::CacheStoreClient,
+        push_frame::Frame,
     },
-    shard::{self, TensorId},
     spec,
 };
-use pdbridge_tests::{Daemon, Engines, Scratch, fixed_spec_config};
+use pdbridge_tests::{
+    Daemon, Engines, Scratch,
+    cache_store::{block_shards, cached_blocks, frames, push},
+    fixed_spec_config,
+};
 use tokio_stream::StreamExt;
 use tonic::{Code, transport::Channel};
 
 const BLOCK_TOKENS: u32 = 16;
-
-/// Every shard of block `index`: each tensor split in two, bytes derived from `seed`.
-fn block_shards(spec: &CacheSpec, index: u32, seed: u8) -> Vec<Shard> {
-    let mut shards = Vec::new();
-    for layer in &spec.layers {
-        for tensor in &layer.tensors {
-            let expected = spec::block_tensor(spec, layer.index, &tensor.name).unwrap();
-            let len = expected.byte_len() as usize;
-            let data: Vec<u8> = (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect();
-            let id = TensorId {
-                block_index: index,
-                layer: layer.index,
-                tensor: tensor.name.clone(),
-                dtype: expected.dtype,
-                shape: expected.shape.clone(),
-            };
-            shards.extend(shard::split(&id, Bytes::from(data), len.div_ceil(2)));
-        }
-    }
-    shards
-}
-
-fn frames(open: PushOpen, shards: Vec<Shard>, seal: Option<u32>) -> Vec<PushFrame> {
-    let mut out = vec![PushFrame { frame: Some(Frame::Open(open)) }];
-    out.extend(shards.into_iter().map(|s| PushFrame { frame: Some(Frame::Shard(s)) }));
-    out.extend(seal.map(|n| PushFrame { frame: Some(Frame::Seal(PushSeal { blocks_emitted: n })) }));
-    out
-}
-
-async fn push(client: &mut CacheStoreClient<Channel>, frames: Vec<PushFrame>) -> Result<PushReceipt, tonic::Status> {
-    client.push(tokio_stream::iter(frames)).await.map(|r| r.into_inner())
-}
-
-async fn cached_blocks(client: &mut CacheStoreClient<Channel>, tokens: &[u32]) -> u32 {
-    client
-        .lookup(LookupRequest { token_ids: tokens.to_vec(), spec_fingerprint: String::new() })
-        .await
-        .unwrap()
-        .into_inner()
-        .cached_blocks
-}
 
 /// Files in the store that are not complete blocks (temp or partial files).
 fn stray_files(store: &std::path::Path) -> Vec<String> {
