@@ -371,6 +371,15 @@ impl Daemon {
         }
     }
 
+    /// decoded's token ids for a chat, as its front door will see it (`/pd/v1/tokenize`).
+    pub async fn tokenize_chat(&self, messages: &serde_json::Value) -> Vec<u32> {
+        let url = format!("http://{}/pd/v1/tokenize", self.front.expect("decoded's front door"));
+        let body = serde_json::json!({"messages": messages});
+        let reply: serde_json::Value =
+            reqwest::Client::new().post(url).json(&body).send().await.unwrap().json().await.unwrap();
+        serde_json::from_value(reply["tokens"].clone()).expect("token ids")
+    }
+
     /// The value of the series `name` (with its labels, as scraped) in a
     /// scrape of `/metrics`, if the daemon answers and publishes it.
     pub async fn metric(&self, name: &str) -> Option<f64> {

@@ -380,17 +380,7 @@ async fn logged(daemon: &Daemon, message: &str, at_least: usize) -> Vec<Value> {
 /// The store file of block `index` of a chat's prompt, by the keys decoded computes.
 async fn block_file(decoded: &Daemon, store: &std::path::Path, messages: &Value, index: usize) -> std::path::PathBuf {
     use pdbridge_common::proto::{GetSpecRequest, cache_store_client::CacheStoreClient};
-    let url = format!("http://{}/pd/v1/tokenize", decoded.front.unwrap());
-    let reply: Value = reqwest::Client::new()
-        .post(url)
-        .json(&json!({"messages": messages}))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    let tokens: Vec<u32> = serde_json::from_value(reply["tokens"].clone()).unwrap();
+    let tokens = decoded.tokenize_chat(messages).await;
     let spec = CacheStoreClient::new(decoded.channel().await).get_spec(GetSpecRequest {}).await.unwrap().into_inner();
     let key = pdbridge_common::block::keys(&spec.spec_fingerprint, &tokens, spec.block_tokens as usize)[index].to_hex();
     let path = store.join("blocks").join(&key[..2]).join(format!("{key}.safetensors"));

@@ -158,16 +158,7 @@ async fn blocks_waiting_in_the_engine_queue_are_not_evicted() {
     };
 
     // The prompt's whole blocks are stored (as a prefiller would push them).
-    let tokenized: Value = client
-        .post(format!("http://{front}/pd/v1/tokenize"))
-        .json(&json!({"messages": messages}))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    let tokens: Vec<u32> = serde_json::from_value(tokenized["tokens"].clone()).unwrap();
+    let tokens = decoded.tokenize_chat(&messages).await;
     assert_eq!(tokens.len() as u32 / 16, whole, "{} tokens: {whole} whole blocks and a tail", tokens.len());
     assert_eq!(push_blocks(tokens).await.blocks_committed, whole);
 
