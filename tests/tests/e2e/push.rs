@@ -317,3 +317,38 @@ async fn a_full_disk_refuses_blocks_cleanly_then_evicts_to_make_room() {
     assert!(cached_blocks(&mut client, &tokens).await < 4, "a block of the four was evicted");
     assert!(stray_files(&store).is_empty(), "{:?}", stray_files(&store));
 }
+
+/// Two dozen senders pushing the same block at once (prefillers racing for one document): every
+/// Push succeeds, the block is stored once, and no temp file is left.
+#[tokio::test]
+async fn concurrent_pushes_of_one_block_all_succeed() {
+    let scratch = Scratch::new("race");
+    let store = scratch.0.join("store");
+    let decoded = Daemon::start("decoded", &fixed_spec_config(&scratch.0.join("spec"), &store, BLOCK_TOKENS, "")).await;
+    decoded.wait_ready(Duration::from_secs(60)).await;
+    let client = CacheStoreClient::new(decoded.channel().await);
+    let spec = client.clone().get_spec(GetSpecRequest {}).await.unwrap().into_inner();
+    let tokens: Vec<u32> = (100..100 + BLOCK_TOKENS).collect();
+    let open = PushOpen {
+        request_id: "race".into(),
+        spec_fingerprint: spec.spec_fingerprint.clone(),
+        token_ids: tokens.clone(),
+        first_block: 0,
+    };
+    let racers: Vec<_> = (0..24)
+        .map(|_| {
+            let mut client = client.clone();
+            let sent = frames(open.clone(), block_shards(&spec, 0, 1), Some(1));
+            tokio::spawn(async move { push(&mut client, sent).await })
+        })
+        .collect();
+    for racer in racers {
+        let receipt = racer.await.unwrap().expect("every racing Push succeeds");
+        assert_eq!(receipt.blocks_committed, 1, "{}", receipt.reason);
+    }
+    assert_eq!(cached_blocks(&mut client.clone(), &tokens).await, 1);
+    let files: Vec<_> = std::fs::read_dir(store.join("blocks")).unwrap().flatten().collect();
+    assert_eq!(files.len(), 1, "one fan-out directory");
+    assert_eq!(std::fs::read_dir(files[0].path()).unwrap().count(), 1, "one block file");
+    assert!(stray_files(&store).is_empty());
+}
