@@ -128,7 +128,9 @@ def main() -> None:
     missing = [n for n in TOKENIZER_FILES if not (args.tokenizer / n).is_file()]
     if missing:
         raise SystemExit(f"make-tiny-model: {args.tokenizer} lacks {missing} (run scripts/prepare-model.py first)")
-    stamp = f"make-tiny-model v{SCRIPT_VERSION}\nfamily {args.family} seed {SEED}\n"
+    # The family's whole config is in the stamp: editing it rebuilds the folders.
+    family = json.dumps(FAMILIES[args.family], sort_keys=True)
+    stamp = f"make-tiny-model v{SCRIPT_VERSION}\nfamily {args.family} seed {SEED} {family}\n"
     mlx_folder = args.out / f"tiny-{args.family}-mlx"
     hf_folder = args.out / f"tiny-{args.family}-hf"
     ensure(mlx_folder, stamp, lambda tmp: build_mlx(tmp, args.family, args.tokenizer))
