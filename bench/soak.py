@@ -6,7 +6,7 @@ native chats for `--minutes`, with the resident set and open files of every proc
     bench/soak.sh [--minutes 10] [--every 10]
 
 Writes OUT/soak.json: the samples, every request's verdict and status, and per process the mean RSS
-and open files over the first and the last fifth of the run.
+and open files over the first, the second and the last fifth of the run.
 """
 
 from __future__ import annotations
@@ -43,13 +43,16 @@ def sample(daemons: Daemons) -> dict:
 
 
 def summarize(samples: list[dict]) -> dict:
+    """Per process, the mean over each fifth of the run: the first holds the warm-up (allocator
+    pools, the engines' first requests), so flat means the second and the last fifths agree."""
     n = max(1, len(samples) // 5)
-    first, last = samples[:n], samples[-n:]
+    parts = {"first_fifth": samples[:n], "second_fifth": samples[n:2 * n], "last_fifth": samples[-n:]}
     out = {}
     for metric in ("rss_mb", "open_files"):
         for role in samples[0][metric]:
-            mean = lambda rows: round(sum(r[metric][role] for r in rows) / len(rows), 1)  # noqa: E731
-            out.setdefault(role, {})[metric] = {"first_fifth": mean(first), "last_fifth": mean(last)}
+            out.setdefault(role, {})[metric] = {
+                name: round(sum(r[metric][role] for r in rows) / len(rows), 1) for name, rows in parts.items()
+            }
     return out
 
 
