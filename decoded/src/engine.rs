@@ -132,6 +132,8 @@ pub struct GenerateRequest<'a> {
     pub temperature: f32,
     pub top_p: f32,
     pub seed: Option<u64>,
+    /// Stop sequences, applied by the adapter to the streamed text.
+    pub stop: &'a [String],
 }
 
 /// One line of a generation.

@@ -331,6 +331,7 @@ impl Front {
                 temperature: sampling.temperature,
                 top_p: sampling.top_p,
                 seed: sampling.seed,
+                stop: &sampling.stop,
             };
             // The lease lives until the generation ends: the adapter reads the
             // block files on its own schedule, after this request is written.

@@ -71,6 +71,8 @@ pub struct Sampling {
     pub top_p: f32,
     pub seed: Option<u64>,
     pub stream: bool,
+    /// Up to 4 sequences that end the answer; never part of it.
+    pub stop: Vec<String>,
 }
 
 pub fn sampling(body: &Value) -> Result<Sampling, InvalidRequest> {
@@ -101,7 +103,18 @@ pub fn sampling(body: &Value) -> Result<Sampling, InvalidRequest> {
     let seed = field("seed").map(|v| v.as_u64().ok_or_else(|| bad("seed", "a non-negative integer"))).transpose()?;
     let stream =
         field("stream").map(|v| v.as_bool().ok_or_else(|| bad("stream", "a boolean"))).transpose()?.unwrap_or(false);
-    Ok(Sampling { max_tokens, temperature, top_p, seed, stream })
+    let stop_shape = || bad("stop", "a non-empty string or a list of up to 4 of them");
+    let stop = match field("stop") {
+        None => Vec::new(),
+        Some(Value::String(one)) if !one.is_empty() => vec![one.clone()],
+        Some(Value::Array(many)) if many.len() <= 4 => many
+            .iter()
+            .map(|v| v.as_str().filter(|s| !s.is_empty()).map(str::to_owned))
+            .collect::<Option<Vec<_>>>()
+            .ok_or_else(stop_shape)?,
+        Some(_) => return Err(stop_shape()),
+    };
+    Ok(Sampling { max_tokens, temperature, top_p, seed, stream, stop })
 }
 
 /// The tokens to generate for a prompt of `prompt_tokens` in a context of
@@ -183,6 +196,17 @@ mod tests {
         assert!(err.0.contains("`max_completion_tokens`"), "{err}");
         assert_eq!(sampling(&json!({"max_tokens": 7})).unwrap().max_tokens, Some(7));
         assert_eq!(sampling(&json!({"max_tokens": null})).unwrap().max_tokens, None);
+    }
+
+    #[test]
+    fn stop_is_a_string_or_up_to_four() {
+        assert_eq!(sampling(&json!({"stop": "5"})).unwrap().stop, ["5"]);
+        assert_eq!(sampling(&json!({"stop": ["a", "b"]})).unwrap().stop, ["a", "b"]);
+        assert!(sampling(&json!({"stop": null})).unwrap().stop.is_empty());
+        for bad in [json!(""), json!(["a", ""]), json!(["a", "b", "c", "d", "e"]), json!(5), json!([1])] {
+            let err = sampling(&json!({"stop": bad})).unwrap_err();
+            assert!(err.0.contains("`stop`"), "{bad}: {err}");
+        }
     }
 
     #[test]

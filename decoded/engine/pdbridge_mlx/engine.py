@@ -303,6 +303,9 @@ class Engine:
         spec_fp = req.get("spec_fingerprint")
         if spec_fp is not None and not isinstance(spec_fp, str):
             raise BadRequest("spec_fingerprint must be a string")
+        stops = req.get("stop") or []
+        if not isinstance(stops, list) or not all(isinstance(t, str) and t for t in stops):
+            raise BadRequest("stop must be a list of non-empty strings")
         if len(blocks) * self.block_tokens > len(tokens):
             raise BadRequest(
                 f"{len(blocks)} blocks of {self.block_tokens} tokens cover more than the "
@@ -318,6 +321,7 @@ class Engine:
             mx.random.seed(seed)
         sampler = make_sampler(temp=temperature, top_p=top_p)
         finish, tail, completion = "length", "", 0
+        stop_text = StopText(stops)
         prefill_ms = first_token_ms = None
         t_gen = t_decode = time.perf_counter()
         # stream_generate is mlx_lm.server's own loop: generate_step prefill in
@@ -333,10 +337,16 @@ class Engine:
                     prefill_ms, first_token_ms = _ms(t_gen), _ms(received)
                     t_decode = time.perf_counter()
                 if r.finish_reason == "stop":  # r.token is the EOS: not output
-                    finish, tail = "stop", r.text
+                    finish = "stop"
+                    tail, _ = stop_text.push(r.text)
                     break
-                emit({"token": int(r.token), "text": r.text})
                 completion += 1
+                text, stopped = stop_text.push(r.text)
+                if text or not stops:
+                    emit({"token": int(r.token), "text": text})
+                if stopped:
+                    finish = "stop"
+                    break
                 if r.finish_reason == "length":
                     break
                 if self.cancelled.is_set():
@@ -358,7 +368,10 @@ class Engine:
                 "total": _ms(received),
             },
         }
-        if tail:  # text the detokenizer held back until the end (e.g. a partial UTF-8 char)
+        # Text held back until the end: by the detokenizer (e.g. a partial UTF-8 char) or as a
+        # possible start of a stop sequence that never completed.
+        tail += stop_text.flush()
+        if tail:
             done["text"] = tail
         return done
 
@@ -495,6 +508,31 @@ class Engine:
                     f"expected {dtype_name(self.cache_dtype)} {list(shape)}"
                 )
         return arrays
+
+
+class StopText:
+    """Stop sequences over streamed text: `push` returns the text safe to send now and whether a
+    stop sequence completed. Text that could still become a stop sequence is held back, and a stop
+    sequence itself is never returned, as OpenAI's `stop` behaves."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = stops
+        self.pending = ""
+
+    def push(self, piece: str) -> tuple[str, bool]:
+        self.pending += piece
+        found = [i for stop in self.stops if (i := self.pending.find(stop)) >= 0]
+        if found:
+            out, self.pending = self.pending[: min(found)], ""
+            return out, True
+        held = max((k for stop in self.stops for k in range(1, len(stop)) if self.pending.endswith(stop[:k])), default=0)
+        cut = len(self.pending) - held
+        out, self.pending = self.pending[:cut], self.pending[cut:]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
 
 
 def _data_sha256(arrays: dict[str, mx.array]) -> str:

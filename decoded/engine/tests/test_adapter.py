@@ -213,6 +213,21 @@ class AdapterTest(unittest.TestCase):
         text = "".join(line["text"] for line in lines) + done.get("text", "")
         self.assertEqual(text, load_tokenizer().decode([line["token"] for line in lines]))
 
+    def test_stop_sequences_end_the_answer_before_them(self):
+        lines, done = self.native
+        full = "".join(line["text"] for line in lines) + done.get("text", "")
+        self.assertGreater(len(full), 10, full)
+        stop = full[5:8]  # from the middle of a greedy answer: it will come again
+        expected = full[: full.find(stop)]
+        lines, done = self.generate(self.tokens, stop=["never in this answer", stop])
+        text = "".join(line["text"] for line in lines) + done.get("text", "")
+        self.assertEqual((text, done["finish_reason"]), (expected, "stop"))
+        # A stop sequence that never comes changes nothing.
+        lines, unchanged = self.generate(self.tokens, stop=["never in this answer"])
+        text = "".join(line["text"] for line in lines) + unchanged.get("text", "")
+        self.assertEqual((text, unchanged["finish_reason"]), (full, self.native[1]["finish_reason"]))
+        self.assert_bad_request(self.adapter.request({"op": "generate", "tokens": self.tokens, "stop": [""]}), "stop")
+
     def test_generation_from_exported_blocks_is_identical(self):
         n = len(self.tokens) // BLOCK
         self.assertEqual(self.export["blocks"], n)

@@ -194,3 +194,45 @@ async fn blocks_waiting_in_the_engine_queue_are_not_evicted() {
     assert_eq!((&verdict["outcome"], &verdict["cached_tokens"]), (&json!("cached"), &json!(whole * 16)), "{verdict}");
     assert_eq!(std::fs::read_dir(store.join("quarantine")).unwrap().count(), 0, "no block went missing");
 }
+
+/// `stop` ends an answer before the stop sequence, streamed or not, and says so.
+#[tokio::test]
+async fn stop_sequences_end_answers_before_them() {
+    let engines = Engines::locate();
+    let scratch = Scratch::new("stop");
+    let front = "[front]\nlisten = \"127.0.0.1:0\"\n";
+    let decoded = Daemon::start("decoded", &engines.decoded_config(&scratch.0.join("store"), 32, front)).await;
+    decoded.wait_ready(Duration::from_secs(300)).await;
+    let url = format!("http://{}/v1/completions", decoded.front.unwrap());
+    let client = reqwest::Client::new();
+    let complete = |body: Value| {
+        let request = client.post(&url).json(&body);
+        async move { request.send().await.unwrap().json::<Value>().await.unwrap() }
+    };
+
+    let full = complete(completion(ENDLESS, 24, false)).await;
+    let full = full["choices"][0]["text"].as_str().unwrap().to_owned();
+    let chars: Vec<char> = full.chars().collect();
+    assert!(chars.len() > 10, "{full:?}");
+    // From the middle of a greedy answer, so it is bound to come; the answer ends just before it.
+    let stop: String = chars[5..8].iter().collect();
+    let expected = &full[..full.find(&stop).unwrap()];
+
+    let mut body = completion(ENDLESS, 24, false);
+    body["stop"] = json!(["never in this answer", stop]);
+    let stopped = complete(body.clone()).await;
+    assert_eq!(stopped["choices"][0]["text"], expected, "stop {stop:?} in {full:?}");
+    assert_eq!(stopped["choices"][0]["finish_reason"], "stop");
+
+    body["stream"] = json!(true);
+    let events = client.post(&url).json(&body).send().await.unwrap().text().await.unwrap();
+    let chunks: Vec<Value> = events
+        .lines()
+        .filter_map(|line| line.strip_prefix("data: "))
+        .filter(|data| *data != "[DONE]")
+        .map(|data| serde_json::from_str(data).unwrap())
+        .collect();
+    let streamed: String = chunks.iter().filter_map(|c| c["choices"][0]["text"].as_str()).collect();
+    assert_eq!(streamed, expected);
+    assert_eq!(chunks.last().unwrap()["choices"][0]["finish_reason"], "stop");
+}
