@@ -63,10 +63,10 @@ pub fn mark_up(engine: &'static str) {
     metrics::gauge!("pdbridge_engine_up", "engine" => engine).set(1.0);
 }
 
-/// SIGKILL to what is left of the process group of a child that exited on
-/// its own (a crash): an engine's workers must not outlive their leader and
-/// hold memory beside its replacement. `leader` is the child's pid, read
-/// while it was running.
+/// SIGKILL to whatever is left of our child's process group (`leader` is
+/// the child's pid, read while it was running): after a crash too, an
+/// engine's workers must not outlive their leader and hold memory beside its
+/// replacement.
 pub fn kill_group(leader: Option<u32>) {
     if let Some(pid) = leader {
         // SAFETY: kill(2) on the process group we created for our own child.
@@ -82,8 +82,8 @@ pub async fn terminate(child: &mut Child, grace: Duration) -> std::io::Result<()
     // SAFETY: kill(2) on the process group we created for our own child.
     unsafe { libc::kill(group, libc::SIGTERM) };
     let exited = tokio::time::timeout(grace, child.wait()).await.is_ok();
-    // SAFETY: as above; processes of the group may outlive its leader.
-    unsafe { libc::kill(group, libc::SIGKILL) };
+    // Processes of the group may outlive its leader.
+    kill_group(Some(pid));
     if !exited {
         child.wait().await?;
     }

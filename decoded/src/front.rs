@@ -360,8 +360,8 @@ impl Front {
             let (tx, rx) = tokio::sync::mpsc::channel::<Event>(16);
             tokio::spawn(async move {
                 // Both held until the last event: the blocks stay leased, the request admitted.
-                let (_lease, deadline) = (lease, admitted.deadline);
-                let _permit = admitted.permit;
+                let _lease = lease;
+                let Admitted { permit: _permit, deadline } = admitted;
                 let mut first = true;
                 loop {
                     let event = match tokio::time::timeout_at(deadline, generation.next()).await {

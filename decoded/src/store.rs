@@ -373,26 +373,27 @@ impl Store {
         let key = identity.key;
         self.make_room(data_bytes, &key)?;
         let serial = self.next_temp.fetch_add(1, Ordering::Relaxed);
-        let tmp =
-            TempFile(self.root.join("tmp").join(format!("{}.{}.{serial}.partial", key.to_hex(), std::process::id())));
+        let tmp = TempFile(Some(self.root.join("tmp").join(format!(
+            "{}.{}.{serial}.partial",
+            key.to_hex(),
+            std::process::id()
+        ))));
         let no_space = |e: &std::io::Error| e.kind() == std::io::ErrorKind::StorageFull;
         let mut metadata = identity.to_metadata();
         metadata.insert(DATA_SHA256.to_owned(), data_digest(tensors));
-        safetensors::serialize_to_file(tensors.iter().map(|t| (t.name.as_str(), t)), Some(metadata), &tmp.0).map_err(
-            |err| match err {
+        safetensors::serialize_to_file(tensors.iter().map(|t| (t.name.as_str(), t)), Some(metadata), tmp.path())
+            .map_err(|err| match err {
                 safetensors::SafeTensorError::IoError(e) if no_space(&e) => StoreError::NoSpace { key },
                 other => StoreError::Encode { key, message: other.to_string() },
-            },
-        )?;
-        let file = fs::File::open(&tmp.0).map_err(io_err("open", &tmp.0))?;
+            })?;
+        let file = fs::File::open(tmp.path()).map_err(io_err("open", tmp.path()))?;
         file.sync_all()
-            .map_err(|e| if no_space(&e) { StoreError::NoSpace { key } } else { io_err("fsync", &tmp.0)(e) })?;
-        let bytes = file.metadata().map_err(io_err("stat", &tmp.0))?.len();
+            .map_err(|e| if no_space(&e) { StoreError::NoSpace { key } } else { io_err("fsync", tmp.path())(e) })?;
+        let bytes = file.metadata().map_err(io_err("stat", tmp.path()))?.len();
         let dest = self.path_of(&key);
         let dir = dest.parent().expect("block paths have a parent");
         fs::create_dir_all(dir).map_err(io_err("create", dir))?;
-        fs::rename(&tmp.0, &dest).map_err(io_err("rename", &tmp.0))?;
-        std::mem::forget(tmp);
+        tmp.rename_to(&dest)?;
         // The rename is durable only once its directory is; a block that may
         // not survive a crash is taken back rather than served.
         if let Err(e) = fs::File::open(dir).and_then(|d| d.sync_all()) {
@@ -414,16 +415,16 @@ impl Store {
             }
             let mut index = self.index.lock().unwrap();
             let Some(cold) = index.coldest_unleased() else { return Err(StoreError::NoSpace { key: *key }) };
-            self.remove_block(&mut index, &cold);
+            self.evict(&mut index, &cold);
             self.publish_usage(&index);
-            metrics::counter!("pdbridge_store_evictions_total").increment(1);
         }
     }
 
     /// Forgets a block and deletes its file, under the index lock so a
     /// concurrent commit of the same key cannot have its fresh file deleted.
-    fn remove_block(&self, index: &mut MutexGuard<'_, Index>, key: &BlockKey) {
+    fn evict(&self, index: &mut MutexGuard<'_, Index>, key: &BlockKey) {
         index.remove(key);
+        metrics::counter!("pdbridge_store_evictions_total").increment(1);
         let path = self.path_of(key);
         if let Err(err) = fs::remove_file(&path) {
             tracing::warn!(path = %path.display(), error = %err, "cannot remove evicted block");
@@ -452,14 +453,9 @@ impl Store {
     }
 
     fn evict_over_budget(&self, index: &mut MutexGuard<'_, Index>) {
-        let mut evicted = 0;
         while index.total_bytes > self.budget_bytes {
             let Some(key) = index.coldest_unleased() else { break };
-            self.remove_block(index, &key);
-            evicted += 1;
-        }
-        if evicted > 0 {
-            metrics::counter!("pdbridge_store_evictions_total").increment(evicted);
+            self.evict(index, &key);
         }
     }
 }
@@ -475,13 +471,27 @@ fn data_digest(tensors: &[BlockTensor]) -> String {
     hex::encode(hasher.finalize())
 }
 
-/// A temp file removed on drop unless it was renamed into place
-/// (`mem::forget`), so no error path leaves one behind.
-struct TempFile(PathBuf);
+/// A temp file removed on drop unless it was renamed into place, so no
+/// error path leaves one behind.
+struct TempFile(Option<PathBuf>);
+
+impl TempFile {
+    fn path(&self) -> &Path {
+        self.0.as_deref().expect("a temp file has its path until renamed")
+    }
+
+    fn rename_to(mut self, dest: &Path) -> Result<(), StoreError> {
+        fs::rename(self.path(), dest).map_err(io_err("rename", self.path()))?;
+        self.0 = None;
+        Ok(())
+    }
+}
 
 impl Drop for TempFile {
     fn drop(&mut self) {
-        let _ = fs::remove_file(&self.0);
+        if let Some(path) = &self.0 {
+            let _ = fs::remove_file(path);
+        }
     }
 }
 

@@ -15,19 +15,28 @@ const ENDLESS: &str = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,";
 /// an endless generation (thousands of tokens at ~10 tokens/s).
 const REQUEST_TIMEOUT_S: u64 = 30;
 
+/// decoded with its real engine, a store under `scratch`, blocks of 32 and
+/// `front` (more `[front]` keys); ready.
+async fn decoded_with_engine(scratch: &Scratch, front: &str) -> Daemon {
+    let config = Engines::locate().decoded_config(
+        &scratch.0.join("store"),
+        32,
+        &format!("[front]\nlisten = \"127.0.0.1:0\"\n{front}"),
+    );
+    let decoded = Daemon::start("decoded", &config).await;
+    decoded.wait_ready(Duration::from_secs(300)).await;
+    decoded
+}
+
 fn completion(prompt: &str, max_tokens: u32, stream: bool) -> Value {
     json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": stream})
 }
 
 #[tokio::test]
 async fn admission_deadline_and_cancellation() {
-    let engines = Engines::locate();
     let scratch = Scratch::new("load");
-    let front = format!(
-        "[front]\nlisten = \"127.0.0.1:0\"\nmax_pending_requests = 1\nrequest_timeout = \"{REQUEST_TIMEOUT_S}s\"\n"
-    );
-    let decoded = Daemon::start("decoded", &engines.decoded_config(&scratch.0.join("store"), 32, &front)).await;
-    decoded.wait_ready(Duration::from_secs(300)).await;
+    let front = format!("max_pending_requests = 1\nrequest_timeout = \"{REQUEST_TIMEOUT_S}s\"\n");
+    let decoded = decoded_with_engine(&scratch, &front).await;
     let url = format!("http://{}/v1/completions", decoded.front.unwrap());
     let client = reqwest::Client::new();
     let short = || client.post(&url).json(&completion("The capital of France is", 2, false)).send();
@@ -95,11 +104,8 @@ async fn admission_deadline_and_cancellation() {
 
 #[tokio::test]
 async fn a_decode_engine_crash_mid_answer_ends_it_cleanly_and_the_engine_returns() {
-    let engines = Engines::locate();
     let scratch = Scratch::new("crash");
-    let front = "[front]\nlisten = \"127.0.0.1:0\"\n";
-    let decoded = Daemon::start("decoded", &engines.decoded_config(&scratch.0.join("store"), 32, front)).await;
-    decoded.wait_ready(Duration::from_secs(300)).await;
+    let decoded = decoded_with_engine(&scratch, "").await;
     let url = format!("http://{}/v1/completions", decoded.front.unwrap());
     let client = reqwest::Client::new();
 
@@ -198,11 +204,8 @@ async fn blocks_waiting_in_the_engine_queue_are_not_evicted() {
 /// `stop` ends an answer before the stop sequence, streamed or not, and says so.
 #[tokio::test]
 async fn stop_sequences_end_answers_before_them() {
-    let engines = Engines::locate();
     let scratch = Scratch::new("stop");
-    let front = "[front]\nlisten = \"127.0.0.1:0\"\n";
-    let decoded = Daemon::start("decoded", &engines.decoded_config(&scratch.0.join("store"), 32, front)).await;
-    decoded.wait_ready(Duration::from_secs(300)).await;
+    let decoded = decoded_with_engine(&scratch, "").await;
     let url = format!("http://{}/v1/completions", decoded.front.unwrap());
     let client = reqwest::Client::new();
     let complete = |body: Value| {
