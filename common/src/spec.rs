@@ -5,7 +5,7 @@ use prost::Message;
 use sha2::{Digest, Sha256};
 
 use crate::{
-    proto::{CacheSpec, Dtype},
+    proto::{CacheKind, CacheSpec, Dtype},
     shard::Expected,
 };
 
@@ -30,6 +30,47 @@ pub fn block_tensor(spec: &CacheSpec, layer: u32, name: &str) -> Option<Expected
     let mut shape = tensor.shape.clone();
     *shape.get_mut(tensor.token_axis as usize)? = spec.block_tokens as u64;
     Some(Expected { dtype: tensor.dtype(), shape })
+}
+
+/// Why a prefiller cannot reconstruct this spec's blocks, one line per layer
+/// (empty when it can). The one place that decides what is bridgeable: the
+/// decoder describes each layer's cache kind, and whatever is not a kind with
+/// per-token rows, or is malformed, is refused here.
+pub fn unsupported(spec: &CacheSpec) -> Vec<String> {
+    let mut out = Vec::new();
+    if spec.layers.len() as u32 != spec.num_layers {
+        out.push(format!("the spec lists {} layers of {}", spec.layers.len(), spec.num_layers));
+    }
+    if spec.decoder_code.is_none() {
+        out.push("the spec does not name the decoder's code (mlx-lm model type and versions)".into());
+    }
+    for layer in &spec.layers {
+        let problem = match layer.kind() {
+            CacheKind::Rows => rows_problem(layer),
+            CacheKind::Unsupported => Some(layer.unsupported_reason.clone()),
+            CacheKind::Unspecified => Some(format!("{}: no cache kind", layer.cache_class)),
+        };
+        if let Some(problem) = problem {
+            out.push(format!("layer {}: {problem}", layer.index));
+        }
+    }
+    out
+}
+
+fn rows_problem(layer: &crate::proto::LayerSpec) -> Option<String> {
+    if layer.tensors.is_empty() {
+        return Some(format!("{} lists no tensors", layer.cache_class));
+    }
+    layer.tensors.iter().find_map(|t| {
+        let axis = t.token_axis as usize;
+        if t.shape.get(axis) != Some(&1) {
+            Some(format!("tensor {}: shape {:?} has no token axis {axis} of size 1", t.name, t.shape))
+        } else if t.dtype().size_bytes().is_none() {
+            Some(format!("tensor {}: no element size for {:?}", t.name, t.dtype()))
+        } else {
+            None
+        }
+    })
 }
 
 /// Bytes of cache one token costs across all layers.
@@ -59,7 +100,7 @@ impl Dtype {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::proto::{LayerSpec, Rope, TensorSpec};
+    use crate::proto::{DecoderCode, LayerSpec, Rope, TensorSpec};
 
     pub fn small_spec() -> CacheSpec {
         let tensor = |name: &str| TensorSpec {
@@ -76,11 +117,17 @@ mod tests {
                 .map(|index| LayerSpec {
                     index,
                     cache_class: "KVCache".into(),
+                    kind: CacheKind::Rows as i32,
                     tensors: vec![tensor("keys"), tensor("values")],
                     rope: Some(Rope { kind: "default".into(), base: 1e5, dims: 64, ..Default::default() }),
                     ..Default::default()
                 })
                 .collect(),
+            decoder_code: Some(DecoderCode {
+                model_type: "llama".into(),
+                mlx: "0.32.4".into(),
+                mlx_lm: "0.32.2".into(),
+            }),
             ..Default::default()
         };
         spec.spec_fingerprint = fingerprint(&spec);
@@ -99,6 +146,22 @@ mod tests {
             scaled.layers[0].rope.as_mut().unwrap().scaling.insert(k.into(), v);
         }
         assert_eq!(fingerprint(&scaled), fingerprint(&scaled.clone()), "deterministic with maps");
+    }
+
+    #[test]
+    fn unsupported_layers_are_named_with_their_reason() {
+        let mut spec = small_spec();
+        assert_eq!(unsupported(&spec), Vec::<String>::new());
+        spec.layers[1].kind = CacheKind::Unsupported as i32;
+        spec.layers[1].cache_class = "ArraysCache".into();
+        spec.layers[1].unsupported_reason = "ArraysCache: recurrent state".into();
+        spec.layers[0].tensors[1].shape = vec![1, 3, 2, 64];
+        spec.decoder_code = None;
+        let found = unsupported(&spec);
+        assert_eq!(found.len(), 3, "{found:?}");
+        assert!(found[0].contains("decoder's code"), "{found:?}");
+        assert!(found[1].starts_with("layer 0: tensor values"), "{found:?}");
+        assert_eq!(found[2], "layer 1: ArraysCache: recurrent state");
     }
 
     #[test]

@@ -31,6 +31,9 @@ impl Validate for Config {
         if self.engine.is_some() && self.spec_file.is_some() {
             return Err(ConfigError::invalid("spec_file", "give either an [engine] or a spec_file, not both"));
         }
+        if let Some(engine) = &self.engine {
+            engine.validate()?;
+        }
         self.front.validate()
     }
 }
@@ -113,6 +116,47 @@ pub struct EngineConfig {
     /// Pause before restarting a crashed adapter.
     #[serde(with = "humantime_serde", default = "default_restart_backoff")]
     pub restart_backoff: Duration,
+    /// The decoder's activation and cache dtype.
+    #[serde(default)]
+    pub dtype: CacheDtype,
+    /// Quantize the KV cache to this many bits, as mlx-lm's `kv_bits`; unset: not quantized.
+    pub kv_bits: Option<u8>,
+    /// Group size of the quantized KV cache.
+    #[serde(default = "default_kv_group_size")]
+    pub kv_group_size: u32,
+}
+
+impl Validate for EngineConfig {
+    fn validate(&self) -> Result<(), ConfigError> {
+        // What MLX's affine quantization accepts.
+        if self.kv_bits.is_some_and(|bits| ![2, 3, 4, 5, 6, 8].contains(&bits)) {
+            return Err(ConfigError::invalid("engine.kv_bits", "must be 2, 3, 4, 5, 6 or 8"));
+        }
+        if ![32, 64, 128].contains(&self.kv_group_size) {
+            return Err(ConfigError::invalid("engine.kv_group_size", "must be 32, 64 or 128"));
+        }
+        Ok(())
+    }
+}
+
+/// The decoder's activation and cache dtype (a real Mac keeps bf16 or fp16; x86 CPUs emulate fp16).
+#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum CacheDtype {
+    #[default]
+    Float32,
+    Bfloat16,
+    Float16,
+}
+
+impl CacheDtype {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CacheDtype::Float32 => "float32",
+            CacheDtype::Bfloat16 => "bfloat16",
+            CacheDtype::Float16 => "float16",
+        }
+    }
 }
 
 fn default_python() -> PathBuf {
@@ -129,6 +173,9 @@ fn default_start_timeout() -> Duration {
 }
 fn default_restart_backoff() -> Duration {
     Duration::from_secs(2)
+}
+fn default_kv_group_size() -> u32 {
+    64
 }
 
 /// The OpenAI-compatible front door and its bridge-or-native policy.

@@ -16,7 +16,7 @@ use std::{
 
 use pdbridge_common::{
     process,
-    proto::{CacheSpec, Dtype, LayerSpec, Rope, TensorSpec},
+    proto::{CacheKind, CacheSpec, DecoderCode, Dtype, LayerSpec, Rope, TensorSpec},
     readiness::Readiness,
     spec,
 };
@@ -78,6 +78,14 @@ struct SpecJson {
     max_context: u32,
     block_tokens: u32,
     layers: Vec<LayerJson>,
+    decoder_code: DecoderCodeJson,
+}
+
+#[derive(Debug, Deserialize)]
+struct DecoderCodeJson {
+    model_type: String,
+    mlx: String,
+    mlx_lm: String,
 }
 
 #[derive(Debug, Deserialize)]
@@ -85,7 +93,10 @@ struct LayerJson {
     index: u32,
     cache_class: String,
     tensors: Vec<TensorJson>,
-    rope: RopeJson,
+    rope: Option<RopeJson>,
+    kind: String,
+    #[serde(default)]
+    unsupported_reason: String,
     #[serde(default)]
     window: u32,
     #[serde(default)]
@@ -112,6 +123,7 @@ struct RopeJson {
     dims: u32,
     #[serde(default)]
     scaling: BTreeMap<String, f64>,
+    module: String,
 }
 
 /// What the decoder tokenizes.
@@ -325,21 +337,29 @@ fn to_spec(reply: InfoReply) -> Result<EngineInfo, EngineError> {
                     Ok(TensorSpec { name: t.name, dtype: dtype as i32, shape: t.shape, token_axis: t.token_axis })
                 })
                 .collect::<Result<Vec<_>, EngineError>>()?;
+            let kind = match l.kind.as_str() {
+                "rows" => CacheKind::Rows,
+                "unsupported" => CacheKind::Unsupported,
+                other => return Err(EngineError::Protocol(format!("layer {}: unknown cache kind {other:?}", l.index))),
+            };
             Ok(LayerSpec {
                 index: l.index,
                 cache_class: l.cache_class,
                 tensors,
-                rope: Some(Rope {
-                    kind: l.rope.kind,
-                    base: l.rope.base,
-                    traditional: l.rope.traditional,
-                    dims: l.rope.dims,
-                    scaling: l.rope.scaling,
+                rope: l.rope.map(|r| Rope {
+                    kind: r.kind,
+                    base: r.base,
+                    traditional: r.traditional,
+                    dims: r.dims,
+                    scaling: r.scaling,
+                    module: r.module,
                 }),
                 window: l.window,
                 keep: l.keep,
                 kv_bits: l.kv_bits,
                 kv_group_size: l.kv_group_size,
+                kind: kind as i32,
+                unsupported_reason: l.unsupported_reason,
             })
         })
         .collect::<Result<Vec<_>, EngineError>>()?;
@@ -358,6 +378,11 @@ fn to_spec(reply: InfoReply) -> Result<EngineInfo, EngineError> {
         weights_fingerprint: reply.bundle_sha256,
         tokenizer_fingerprint: reply.tokenizer_sha256,
         spec_fingerprint: String::new(),
+        decoder_code: Some(DecoderCode {
+            model_type: s.decoder_code.model_type,
+            mlx: s.decoder_code.mlx,
+            mlx_lm: s.decoder_code.mlx_lm,
+        }),
     };
     spec.spec_fingerprint = spec::fingerprint(&spec);
     Ok(EngineInfo { spec, bundle_path: reply.bundle_path })
@@ -473,12 +498,19 @@ fn spawn(config: &EngineConfig, block_tokens: u32) -> Result<Child, EngineError>
         .arg(&config.socket)
         .arg("--block-tokens")
         .arg(block_tokens.to_string())
+        .arg("--dtype")
+        .arg(config.dtype.as_str())
+        .arg("--kv-group-size")
+        .arg(config.kv_group_size.to_string())
         .env("PYTHONPATH", &config.adapter_dir)
         .env("HF_HUB_OFFLINE", "1")
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .kill_on_drop(true);
+    if let Some(bits) = config.kv_bits {
+        cmd.arg("--kv-bits").arg(bits.to_string());
+    }
     process::contain(&mut cmd);
     tracing::info!(python = %config.python.display(), model = %config.model.display(), "starting decode engine");
     cmd.spawn().map_err(|e| EngineError::Internal(format!("spawn {}: {e}", config.python.display())))

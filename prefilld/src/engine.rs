@@ -2,6 +2,7 @@
 //! pd-bridge's capture plugin enabled, and the one call prefilld makes to it.
 
 use std::{
+    collections::BTreeMap,
     path::{Path, PathBuf},
     process::Stdio,
     time::Duration,
@@ -42,8 +43,40 @@ pub struct ModelProfile {
     pub head_dim: u32,
     pub hidden_size: u32,
     pub vocab_size: u32,
-    pub rope_theta: f64,
+    pub rope: HfRope,
     pub tokenizer_fingerprint: String,
+}
+
+/// The rotary embedding the prefill engine applies, as its HF config says
+/// (`rope_scaling` with a top-level `rope_theta`, or transformers 5's
+/// `rope_parameters`).
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct HfRope {
+    pub kind: String,
+    pub theta: f64,
+    /// The numeric parameters (factor, low_freq_factor, …), without the theta.
+    pub scaling: BTreeMap<String, f64>,
+}
+
+impl HfRope {
+    fn from_config(config: &serde_json::Value) -> Self {
+        let params = config.get("rope_parameters").or_else(|| config.get("rope_scaling")).filter(|p| p.is_object());
+        let text = |key: &str| params.and_then(|p| p.get(key)).and_then(|v| v.as_str());
+        let theta = params
+            .and_then(|p| p.get("rope_theta"))
+            .or_else(|| config.get("rope_theta"))
+            .and_then(|v| v.as_f64())
+            .unwrap_or(10_000.0);
+        let scaling = params
+            .and_then(|p| p.as_object())
+            .into_iter()
+            .flatten()
+            .filter(|(k, _)| k.as_str() != "rope_theta")
+            .filter_map(|(k, v)| Some((k.clone(), v.as_f64()?)))
+            .collect();
+        let kind = text("rope_type").or_else(|| text("type")).unwrap_or("default").to_owned();
+        HfRope { kind, theta, scaling }
+    }
 }
 
 impl ModelProfile {
@@ -57,16 +90,12 @@ impl ModelProfile {
             head_dim: Option<u32>,
             hidden_size: u32,
             vocab_size: u32,
-            #[serde(default = "default_theta")]
-            rope_theta: f64,
-        }
-        fn default_theta() -> f64 {
-            10_000.0
         }
         let err = |problem: String| EngineError::Model { path: folder.to_owned(), problem };
         let read = |name: &str| std::fs::read(folder.join(name)).map_err(|e| err(format!("{name}: {e}")));
-        let config: HfConfig =
+        let raw: serde_json::Value =
             serde_json::from_slice(&read("config.json")?).map_err(|e| err(format!("config.json: {e}")))?;
+        let config = HfConfig::deserialize(&raw).map_err(|e| err(format!("config.json: {e}")))?;
         let tokenizer = [read("tokenizer.json")?, read("tokenizer_config.json")?].concat();
         use sha2::Digest;
         Ok(ModelProfile {
@@ -77,7 +106,7 @@ impl ModelProfile {
             head_dim: config.head_dim.unwrap_or(config.hidden_size / config.num_attention_heads),
             hidden_size: config.hidden_size,
             vocab_size: config.vocab_size,
-            rope_theta: config.rope_theta,
+            rope: HfRope::from_config(&raw),
             tokenizer_fingerprint: pdbridge_common::spec::hex(&sha2::Sha256::digest(tokenizer)),
         })
     }

@@ -28,6 +28,8 @@ pub enum HandshakeError {
     Unreachable { addr: String, message: String },
     #[error("decoder {addr} disagrees with the prefill model: {}", mismatches.join("; "))]
     SpecMismatch { addr: String, mismatches: Vec<String> },
+    #[error("decoder {addr} runs a model whose cache cannot be bridged: {}", layers.join("; "))]
+    Unsupported { addr: String, layers: Vec<String> },
     #[error("decoder {addr} bundle: {message}")]
     Bundle { addr: String, message: String },
 }
@@ -38,6 +40,7 @@ impl HandshakeError {
         match self {
             HandshakeError::Unreachable { .. } => "decoder_unavailable",
             HandshakeError::SpecMismatch { .. } => "spec_mismatch",
+            HandshakeError::Unsupported { .. } => "unsupported_model",
             HandshakeError::Bundle { .. } => "bundle_failed",
         }
     }
@@ -72,18 +75,17 @@ pub fn mismatches(profile: &ModelProfile, spec: &CacheSpec) -> Vec<String> {
     differ(&mut out, "hidden size", profile.hidden_size, spec.hidden_size);
     differ(&mut out, "vocab", profile.vocab_size, spec.vocab_size);
     differ(&mut out, "tokenizer", &profile.tokenizer_fingerprint, &spec.tokenizer_fingerprint);
+    // The decoder's rope is what its instantiated modules apply; an engine that
+    // ignores a config key it does not know would otherwise run another model.
+    let ours = &profile.rope;
     for layer in &spec.layers {
-        let rope = layer.rope.clone().unwrap_or_default();
-        differ(&mut out, &format!("layer {} rope base", layer.index), profile.rope_theta, rope.base);
-        if layer.cache_class != "KVCache" || layer.window != 0 || layer.kv_bits != 0 {
-            out.push(format!("layer {}: cache {} is not reconstructible yet", layer.index, layer.cache_class));
+        let Some(rope) = &layer.rope else { continue };
+        let what = |field: &str| format!("layer {} rope {field}", layer.index);
+        differ(&mut out, &what("base"), ours.theta, rope.base);
+        differ(&mut out, &what("type"), &ours.kind, &rope.kind);
+        if rope.kind != "default" {
+            differ(&mut out, &what("scaling"), format!("{:?}", ours.scaling), format!("{:?}", rope.scaling));
         }
-        if rope.kind != "default" || !rope.scaling.is_empty() {
-            out.push(format!("layer {}: rope {:?} with scaling is not reconstructible yet", layer.index, rope.kind));
-        }
-    }
-    if spec.layers.len() as u32 != spec.num_layers {
-        out.push(format!("spec lists {} layers of {}", spec.layers.len(), spec.num_layers));
     }
     out
 }
@@ -163,6 +165,10 @@ impl Decoders {
                 mismatches: vec!["spec fingerprint does not match its contents".into()],
             });
         }
+        let layers = spec::unsupported(&spec);
+        if !layers.is_empty() {
+            return Err(HandshakeError::Unsupported { addr: addr.to_owned(), layers });
+        }
         let mismatches = mismatches(&self.profile, &spec);
         if !mismatches.is_empty() {
             return Err(HandshakeError::SpecMismatch { addr: addr.to_owned(), mismatches });
@@ -212,6 +218,8 @@ impl Decoders {
 mod tests {
     use pdbridge_common::proto::{LayerSpec, Rope};
 
+    use crate::engine::HfRope;
+
     use super::*;
 
     fn profile() -> ModelProfile {
@@ -223,7 +231,7 @@ mod tests {
             head_dim: 64,
             hidden_size: 576,
             vocab_size: 49152,
-            rope_theta: 1e5,
+            rope: HfRope { kind: "default".into(), theta: 1e5, scaling: Default::default() },
             tokenizer_fingerprint: "tok".into(),
         }
     }
@@ -261,12 +269,34 @@ mod tests {
         spec.num_kv_heads = 4;
         spec.tokenizer_fingerprint = "other".into();
         spec.layers[1].rope.as_mut().unwrap().base = 1e4;
-        spec.layers[0].cache_class = "RotatingKVCache".into();
         let found = mismatches(&profile(), &spec);
         let joined = found.join("\n");
-        for needle in ["kv heads", "tokenizer", "layer 1 rope base", "layer 0: cache RotatingKVCache"] {
+        for needle in ["kv heads", "tokenizer", "layer 1 rope base"] {
             assert!(joined.contains(needle), "{needle} not reported in:\n{joined}");
         }
-        assert_eq!(found.len(), 4, "{joined}");
+        assert_eq!(found.len(), 3, "{joined}");
+    }
+
+    #[test]
+    fn a_decoder_that_ignores_rope_scaling_is_refused() {
+        // vLLM applies llama3 scaling; the decoder's modules apply plain RoPE (an engine that
+        // does not know a config key): two different models, so the handshake must say so.
+        let mut scaled = profile();
+        scaled.rope.kind = "llama3".into();
+        scaled.rope.scaling = [("factor".to_owned(), 8.0), ("low_freq_factor".to_owned(), 1.0)].into();
+        let found = mismatches(&scaled, &matching_spec());
+        assert_eq!(found.len(), 2, "{found:?}");
+        assert!(found[0].contains("layer 0 rope type: prefill llama3, decoder default"), "{found:?}");
+
+        let mut spec = matching_spec();
+        for layer in &mut spec.layers {
+            let rope = layer.rope.as_mut().unwrap();
+            rope.kind = "llama3".into();
+            rope.scaling = scaled.rope.scaling.clone();
+        }
+        assert_eq!(mismatches(&scaled, &spec), Vec::<String>::new());
+        spec.layers[1].rope.as_mut().unwrap().scaling.insert("factor".into(), 4.0);
+        let found = mismatches(&scaled, &spec);
+        assert!(found.len() == 1 && found[0].starts_with("layer 1 rope scaling"), "{found:?}");
     }
 }

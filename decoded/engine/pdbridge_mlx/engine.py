@@ -3,8 +3,10 @@
 Everything here except `info` and `tokenize` touches MLX and must run on the
 adapter's single model thread (MLX is not thread-safe); the server enforces it.
 Only mlx-lm's public API is used: `load`, `stream_generate`/`generate_step`
-with `prompt_cache=`, `make_prompt_cache`, `KVCache.state`/`trim`, the
-tokenizer wrapper, and `mlx.core` ops.
+with `prompt_cache=` and `kv_bits=`, `make_prompt_cache`, the cache classes'
+`state`, the tokenizer wrapper, and `mlx.core` ops. What a block holds per
+cache class, and how a cache is rebuilt from blocks, is `pdbridge_cache.kinds`
+(shared with the prefill plugin).
 """
 
 from __future__ import annotations
@@ -12,21 +14,21 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import re
 import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
 from mlx_lm import load, stream_generate
 from mlx_lm.generate import generate_step
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
+from pdbridge_cache import kinds
+from pdbridge_cache.layers import CachePath, effective_rope, versions
+from pdbridge_cache.safetensors_io import dtype_name, serialize, tensor_bytes, write_atomic
 
 from .errors import BadRequest, BlockUnusable, Cancelled, StartupError
-from .safetensors_io import dtype_name, serialize, tensor_bytes, write_atomic
 
 log = logging.getLogger("pdbridge_mlx")
 
@@ -34,7 +36,6 @@ BLOCK_FORMAT = "pdbridge-block-v1"
 # Block metadata: SHA-256 of the tensors' bytes, tensor by tensor in name order
 # (written by decoded's store).
 DATA_SHA256 = "pdb_data_sha256"
-BUNDLE_FORMAT = "pdbridge-bundle-v1"
 # generate_step's and mlx_lm.server's default; export must chunk exactly as a
 # native generation would so its blocks are the decoder's own cache.
 PREFILL_STEP_SIZE = 2048
@@ -44,10 +45,6 @@ ROOT_KEY = "00" * 32
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 # Newer transformers keep the chat template beside the config; hash it when present.
 EXTRA_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
-# What of each layer the cache depends on: input norm, k/v projections, k-norm if any.
-_BUNDLE_PARAM = re.compile(
-    r"(?:^|\.)layers\.(\d+)\.(input_layernorm\.weight|self_attn\.(?:k_proj|v_proj|k_norm)\.\w+)$"
-)
 
 
 Emit = Callable[[dict], None]
@@ -76,6 +73,8 @@ class Engine:
         dtype: mx.Dtype,
         bundle_dir: str,
         model_id: str | None = None,
+        kv_bits: int | None = None,
+        kv_group_size: int = 64,
     ):
         t0 = time.perf_counter()
         self.model_dir = Path(model_dir).resolve()
@@ -88,11 +87,23 @@ class Engine:
         mx.eval(self.model.parameters())
         self.layers = self.model.layers
         self.num_layers = len(self.layers)
+        # As mlx-lm's generate_step(kv_bits=...), quantizing from the first token on, so the
+        # spec's cache classes hold for any prompt length.
+        self.kv_args = (
+            {"kv_bits": kv_bits, "kv_group_size": kv_group_size, "quantized_kv_start": 0} if kv_bits else {}
+        )
+        try:
+            self.templates = kinds.decoder_caches(self.model, kv_bits, kv_group_size)
+        except ValueError as e:
+            raise StartupError(f"kv_bits {kv_bits}: {e}") from None
         load_ms = _ms(t0)
 
-        self.layer_shapes, self.cache_dtype = self._probe_cache()
-        self.spec = self._make_spec(model_id or self.model_dir.name)
-        bundle_bytes, bundle_meta = self._make_bundle()
+        layer_specs = self._probe_cache()
+        self.spec = self._make_spec(model_id or self.model_dir.name, layer_specs)
+        bridged = [l["index"] for l in layer_specs if l["kind"] == kinds.ROWS]
+        self.cache_path = CachePath(self.model, self.templates, dtype, bridged)
+        params = self.cache_path.needed_params()
+        bundle_bytes = serialize(params, self.cache_path.bundle_metadata(self.config, kv_bits or 0, kv_group_size))
         self.bundle_sha256 = hashlib.sha256(bundle_bytes).hexdigest()
         os.makedirs(bundle_dir, exist_ok=True)
         self.bundle_path = Path(bundle_dir).resolve() / f"bundle-{self.bundle_sha256[:16]}.safetensors"
@@ -106,138 +117,58 @@ class Engine:
             "bundle_sha256": self.bundle_sha256,
             "tokenizer_sha256": self.tokenizer_sha256,
         }
+        classes = sorted({l["cache_class"] for l in layer_specs})
         log.info(
-            "loaded %s in %.0f ms (startup %.0f ms): %d layers, cache %s %s, bundle %s (%d bytes, %d tensors)",
-            self.model_dir, load_ms, _ms(t0), self.num_layers, dtype_name(self.cache_dtype),
-            self.layer_shapes[0], self.bundle_path.name, len(bundle_bytes), int(bundle_meta["tensors"]),
+            "loaded %s in %.0f ms (startup %.0f ms): %d layers, caches %s, %s, bundle %s (%d bytes, %d tensors)",
+            self.model_dir, load_ms, _ms(t0), self.num_layers, classes, dtype,
+            self.bundle_path.name, len(bundle_bytes), len(params),
         )
+        for l in layer_specs:
+            if l["kind"] != kinds.ROWS:
+                log.warning("layer %d cannot be bridged: %s", l["index"], l["unsupported_reason"])
 
     # ------------------------------------------------------------------ startup
 
-    def _probe_cache(self) -> tuple[list[tuple[int, int]], mx.Dtype]:
-        """Runs one token into a fresh cache and reads what the model really
-        stores: per layer (n_kv_heads, head_dim) and the cache dtype."""
-        cache = make_prompt_cache(self.model)
-        for i, c in enumerate(cache):
-            if type(c) is not KVCache:
-                raise StartupError(
-                    f"layer {i} uses {type(c).__name__}; pd-bridge supports only KVCache layers for now"
-                )
-        self.model(mx.array([[0]]), cache=cache)
-        mx.eval([c.state for c in cache])
-        shapes, dtypes = [], set()
-        for c in cache:
-            keys, values, offset = c.state
-            if offset != 1 or keys.ndim != 4 or keys.shape[0] != 1:
-                raise StartupError("unexpected cache layout after a one-token forward")
-            if keys.shape[1] != values.shape[1] or keys.shape[3] != values.shape[3]:
-                raise StartupError("keys and values differ in shape; not a plain KV cache")
-            shapes.append((keys.shape[1], keys.shape[3]))
-            dtypes.update((keys.dtype, values.dtype))
-        if len(dtypes) != 1:
-            raise StartupError(f"cache tensors have mixed dtypes {sorted(map(str, dtypes))}")
-        dtype = dtypes.pop()
-        try:
-            dtype_name(dtype)
-        except ValueError as e:
-            raise StartupError(str(e)) from None
-        return shapes, dtype
+    def _probe_cache(self) -> list[dict]:
+        """Runs one token through the decoder's own caches and describes, per layer, what they
+        really hold: class, parameters, tensors with their dtype and per-token shape."""
+        caches = kinds.decoder_caches(self.model, self.kv_args.get("kv_bits"), self.kv_args.get("kv_group_size", 64))
+        self.model(mx.array([[0]]), cache=caches)
+        mx.eval([c.state for c in caches])
+        layers = [kinds.describe(i, c) for i, c in enumerate(caches)]
+        args = getattr(self.model, "args", None)
+        theta = float(getattr(args, "rope_theta", 0.0) or self.config.get("rope_theta") or 10000.0)
+        for spec, layer in zip(layers, self.layers):
+            rope = effective_rope(getattr(layer, "self_attn", None), theta)
+            if rope is not None:
+                # The scaling mlx-lm's module was built with (vLLM's config must say the same).
+                scaling = getattr(args, "rope_scaling", None)
+                if rope["kind"] != "default" and isinstance(scaling, dict):
+                    rope["scaling"] = {
+                        k: float(v) for k, v in sorted(scaling.items())
+                        if isinstance(v, (int, float)) and not isinstance(v, bool)
+                    }
+                spec["rope"] = rope
+        return layers
 
-    def _rope_spec(self, attn: Any, head_dim: int) -> dict:
-        scaling = self.config.get("rope_scaling") or {}
-        rope = attn.rope
-        base = getattr(rope, "base", None) or self.config.get("rope_theta", 10000.0)
-        return {
-            "kind": scaling.get("type") or scaling.get("rope_type") or "default",
-            "base": float(base),
-            "traditional": bool(getattr(rope, "traditional", self.config.get("rope_traditional", False))),
-            "dims": int(getattr(rope, "dims", head_dim)),
-            "scaling": {
-                k: float(v)
-                for k, v in sorted(scaling.items())
-                if isinstance(v, (int, float)) and not isinstance(v, bool)
-            },
-        }
-
-    def _make_spec(self, model_id: str) -> dict:
+    def _make_spec(self, model_id: str, layers: list[dict]) -> dict:
         cfg = self.config
-        dtype = dtype_name(self.cache_dtype)
-        layers = []
-        for i, (layer, (kv_heads, head_dim)) in enumerate(zip(self.layers, self.layer_shapes)):
-            tensors = [
-                {"name": name, "dtype": dtype, "shape": [1, kv_heads, 1, head_dim], "token_axis": 2}
-                for name in ("keys", "values")
-            ]
-            layers.append({
-                "index": i,
-                "cache_class": "KVCache",
-                "tensors": tensors,
-                "rope": self._rope_spec(layer.self_attn, head_dim),
-                "window": 0,
-                "keep": 0,
-                "kv_bits": 0,
-                "kv_group_size": 0,
-            })
-        kv_heads, head_dim = self.layer_shapes[0]
+        heads = int(cfg["num_attention_heads"])
         architectures = cfg.get("architectures") or [cfg["model_type"]]
         return {
             "model_id": model_id,
             "architecture": architectures[0],
             "num_layers": self.num_layers,
-            "num_attention_heads": int(cfg["num_attention_heads"]),
-            "num_kv_heads": kv_heads,
-            "head_dim": head_dim,
+            "num_attention_heads": heads,
+            "num_kv_heads": int(cfg.get("num_key_value_heads") or heads),
+            "head_dim": int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads),
             "hidden_size": int(cfg["hidden_size"]),
             "vocab_size": int(cfg["vocab_size"]),
             "max_context": int(cfg.get("max_position_embeddings") or 0),
             "block_tokens": self.block_tokens,
             "layers": layers,
+            "decoder_code": {"model_type": str(cfg["model_type"]), **versions()},
         }
-
-    def _make_bundle(self) -> tuple[bytes, dict[str, str]]:
-        """The weights the cache depends on, as the decoder holds them, plus
-        the math parameters; deterministic bytes (sorted names, fixed metadata)."""
-        params = {
-            name: array
-            for name, array in tree_flatten(self.model.parameters())
-            if _BUNDLE_PARAM.search(name)
-        }
-        for i in range(self.num_layers):
-            for part in ("input_layernorm.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"):
-                if not any(n.endswith(f"layers.{i}.{part}") for n in params):
-                    raise StartupError(f"layer {i} has no {part}; cannot build the reconstruction bundle")
-
-        quant = set()
-        for layer in self.layers:
-            for proj in (layer.self_attn.k_proj, layer.self_attn.v_proj):
-                if hasattr(proj, "scales"):
-                    quant.add((proj.group_size, proj.bits, getattr(proj, "mode", "affine")))
-                else:
-                    quant.add((0, 0, "none"))
-        if len(quant) != 1:
-            raise StartupError(f"k/v projections are quantized in several ways {sorted(quant)}")
-        group_size, bits, mode = quant.pop()
-        eps = {float(layer.input_layernorm.eps) for layer in self.layers}
-        if len(eps) != 1:
-            raise StartupError("layers use different RMSNorm eps")
-        kv_heads, head_dim = self.layer_shapes[0]
-        rope = self.spec["layers"][0]["rope"]
-        metadata = {
-            "format": BUNDLE_FORMAT,
-            "model_type": str(self.config["model_type"]),
-            "num_layers": str(self.num_layers),
-            "rms_norm_eps": repr(eps.pop()),
-            "rope_theta": repr(rope["base"]),
-            "rope_traditional": "true" if rope["traditional"] else "false",
-            "head_dim": str(head_dim),
-            "num_kv_heads": str(kv_heads),
-            "group_size": str(group_size),
-            "bits": str(bits),
-            "quant_mode": str(mode),
-            "dtype": dtype_name(self.cache_dtype),
-            "tensors": str(len(params)),
-        }
-        return serialize(sorted(params.items()), metadata), metadata
 
     def _tokenizer_sha256(self) -> str:
         h = hashlib.sha256()
@@ -313,8 +244,10 @@ class Engine:
             )
 
         start = time.perf_counter()
-        cache = make_prompt_cache(self.model)
-        cached = self._restore(cache, blocks, tokens, spec_fp) if blocks else 0
+        if blocks:
+            cache, cached = self._restore(blocks, tokens, spec_fp)
+        else:
+            cache, cached = make_prompt_cache(self.model), 0
         restore_ms = _ms(start)
 
         if seed is not None:
@@ -329,7 +262,7 @@ class Engine:
         responses = stream_generate(
             self.model, self.tokenizer, mx.array(tokens[cached:]),
             max_tokens=max_tokens, sampler=sampler, prompt_cache=cache,
-            prefill_step_size=PREFILL_STEP_SIZE,
+            prefill_step_size=PREFILL_STEP_SIZE, **self.kv_args,
         )
         try:
             for r in responses:
@@ -401,20 +334,21 @@ class Engine:
             # max_tokens=0 stops right after the last prompt token is processed.
             for _ in generate_step(
                 mx.array(tokens), self.model, prompt_cache=cache,
-                max_tokens=0, prefill_step_size=PREFILL_STEP_SIZE,
+                max_tokens=0, prefill_step_size=PREFILL_STEP_SIZE, **self.kv_args,
             ):
                 pass
         prefill_ms = _ms(start)
 
         t_write = time.perf_counter()
+        rows = [kinds.codec_for(c).rows(c) for c in cache] if n else []
+        for layer, r in enumerate(rows):
+            if any(a.shape[kinds.TOKEN_AXIS] != len(tokens) for a in r.values()):
+                raise BadRequest(f"layer {layer}'s {type(cache[layer]).__name__} no longer holds every "
+                                 "prompt token; its blocks cannot be exported")
         files = []
         for i in range(n):
             lo, hi = i * block_tokens, (i + 1) * block_tokens
-            tensors = []
-            for layer, c in enumerate(cache):
-                keys_buf, values_buf, _ = c.state
-                tensors.append((f"{layer}.keys", keys_buf[..., lo:hi, :]))
-                tensors.append((f"{layer}.values", values_buf[..., lo:hi, :]))
+            tensors = [(f"{layer}.{name}", a[..., lo:hi, :]) for layer, r in enumerate(rows) for name, a in r.items()]
             metadata = {
                 "format": BLOCK_FORMAT,
                 "pdb_block": str(i),
@@ -446,30 +380,26 @@ class Engine:
                 raise BadRequest(f"token id {t!r} is not in [0, {vocab})")
         return tokens
 
-    def _restore(self, cache: list, paths: list[str], tokens: list[int], spec_fp: str | None) -> int:
-        """Installs the blocks' K/V as the cache's state; returns the number of
-        prompt tokens the model will not recompute."""
+    def _restore(self, paths: list[str], tokens: list[int], spec_fp: str | None) -> tuple[list, int]:
+        """The decoder's caches rebuilt from the blocks, and the number of prompt tokens the model
+        will not recompute."""
         B = self.block_tokens
-        keys: list[list[mx.array]] = [[] for _ in range(self.num_layers)]
-        values: list[list[mx.array]] = [[] for _ in range(self.num_layers)]
+        parts: list[dict[str, list[mx.array]]] = [{} for _ in range(self.num_layers)]
         for i, path in enumerate(paths):
             arrays = self._read_block(i, path, tokens[i * B:(i + 1) * B], spec_fp)
-            for layer in range(self.num_layers):
-                keys[layer].append(arrays[f"{layer}.keys"])
-                values[layer].append(arrays[f"{layer}.values"])
-        covered = len(paths) * B
-        for c, k, v in zip(cache, keys, values):
-            # KVCache.state (mlx-lm 0.32.2) = (keys, values, offset); an
-            # exact-size buffer is valid, the next update grows it.
-            c.state = (mx.concatenate(k, axis=2), mx.concatenate(v, axis=2), covered)
+            for name, a in arrays.items():
+                layer, tensor = name.split(".", 1)
+                parts[int(layer)].setdefault(tensor, []).append(a)
+        # The model must process at least the last prompt token itself: that step yields the
+        # first logits.
+        cached = min(len(paths) * B, len(tokens) - 1)
+        rows = [
+            {t: mx.concatenate(p, axis=kinds.TOKEN_AXIS)[..., :cached, :] for t, p in layer.items()}
+            for layer in parts
+        ]
+        cache = kinds.restore(self.templates, rows, cached)
         mx.eval([c.state for c in cache])
-        # The model must process at least the last prompt token itself: that
-        # step yields the first logits.
-        cached = min(covered, len(tokens) - 1)
-        if cached < covered:
-            for c in cache:
-                c.trim(covered - cached)
-        return cached
+        return cache, cached
 
     def _read_block(self, index: int, path: str, block_ids: list[int], spec_fp: str | None) -> dict:
         """Loads one block file and checks it fits this decoder and this prompt;
@@ -492,20 +422,20 @@ class Engine:
                 raise BadRequest(f"{where}: metadata {key}={meta.get(key)!r}, expected {want!r}")
         if "pdb_token_ids" in meta and meta["pdb_token_ids"] != ",".join(map(str, block_ids)):
             raise BadRequest(f"{where}: holds other tokens than the prompt's tokens {index * B}..{(index + 1) * B}")
-        expected = {}
-        for layer, (kv_heads, head_dim) in enumerate(self.layer_shapes):
-            for name in ("keys", "values"):
-                expected[f"{layer}.{name}"] = (1, kv_heads, B, head_dim)
+        expected = {
+            f"{layer['index']}.{t['name']}": (t["dtype"], tuple(B if i == t["token_axis"] else d for i, d in enumerate(t["shape"])))
+            for layer in self.spec["layers"]
+            for t in layer["tensors"]
+        }
         if missing := sorted(set(expected) - set(arrays)):
             raise BadRequest(f"{where}: missing tensors {', '.join(missing[:4])}")
         if extra := sorted(set(arrays) - set(expected)):
             raise BadRequest(f"{where}: unexpected tensors {', '.join(extra[:4])}")
-        for name, shape in expected.items():
+        for name, (dtype, shape) in expected.items():
             a = arrays[name]
-            if tuple(a.shape) != shape or a.dtype != self.cache_dtype:
+            if tuple(a.shape) != shape or _dtype_str(a.dtype) != dtype:
                 raise BadRequest(
-                    f"{where}: tensor {name} is {_dtype_str(a.dtype)} {list(a.shape)}, "
-                    f"expected {dtype_name(self.cache_dtype)} {list(shape)}"
+                    f"{where}: tensor {name} is {_dtype_str(a.dtype)} {list(a.shape)}, expected {dtype} {list(shape)}"
                 )
         return arrays
 

@@ -170,6 +170,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--block-tokens", type=int, default=256, help="tokens per store block (default 256)")
     p.add_argument("--dtype", choices=DTYPES, default="float32",
                    help="activation/cache dtype (default float32; fp16 is emulated and slow on x86 CPUs)")
+    p.add_argument("--kv-bits", type=int, choices=(2, 3, 4, 5, 6, 8),
+                   help="quantize the KV cache to this many bits, as mlx-lm's --kv-bits (default: not quantized)")
+    p.add_argument("--kv-group-size", type=int, default=64, help="KV cache quantization group size (default 64)")
     p.add_argument("--bundle-dir", help="where to write the reconstruction bundle (default: the socket's directory)")
     p.add_argument("--model-id", help="model identity published in the spec (default: the model folder's name)")
     p.add_argument("--log-level", default="INFO", help="stderr log level (default INFO)")
@@ -246,7 +249,7 @@ class Adapter:
             Engine, self.args.model, block_tokens=self.args.block_tokens,
             dtype=getattr(mx, self.args.dtype),
             bundle_dir=self.args.bundle_dir or os.path.dirname(self.socket_path),
-            model_id=self.args.model_id,
+            model_id=self.args.model_id, kv_bits=self.args.kv_bits, kv_group_size=self.args.kv_group_size,
         )
         self.listener, self._inode = _bind(self.socket_path)
 

@@ -17,7 +17,7 @@ Flow, per request that carries ``kv_transfer_params.pdbridge`` (all other reques
    step's tokens were captured, then, for every block ``b`` in ``[first_block, first_block +
    num_blocks)`` whose ``block_tokens`` tokens are now all captured, copies their hidden states out of
    the paged cache (float32) and queues them to the streamer thread (`streamer.py`), which computes
-   the decoder's K/V with MLX (`reconstruct.py`) and writes the block to prefilld's unix socket. So
+   the decoder's cache with the decoder's own mlx-lm modules (`reconstruct.py`) and writes the block to prefilld's unix socket. So
    blocks leave per engine step, as chunked prefill completes them.
 4. The step whose metadata says the prompt is complete ends the stream: the captured length must
    equal the prompt length, then ``done`` (or ``error``) follows the last block. A request the

@@ -124,7 +124,7 @@ class Streamer:
         self._queue = _BoundedQueue(int(max_queued_mb * 2**20))
         self._socket_timeout_s = socket_timeout_s
         self._cpus = cpus
-        # sha256 -> Bundle, least recently used first.
+        # sha256 -> the decoder's CachePath, least recently used first.
         self._bundles: collections.OrderedDict[str, Any] = collections.OrderedDict()
         self._max_bundles = max_bundles
         self._thread: threading.Thread | None = None
@@ -220,63 +220,54 @@ class Streamer:
         return self._mlx_streams
 
     def _bundle(self, stream: RequestStream):
-        from .reconstruct import Bundle, BundleError  # imports MLX, on this thread only
+        from . import reconstruct  # imports MLX, on this thread only
 
         p = stream.params
         key = p.bundle_sha256.lower() or p.bundle_path
-        bundle = self._bundles.get(key)
-        if bundle is None:
+        path = self._bundles.get(key)
+        if path is None:
             try:
-                bundle = Bundle.load(p.bundle_path, p.bundle_sha256 or None)
-            except BundleError as e:
+                path = reconstruct.load(p.bundle_path, p.bundle_sha256 or None)
+            except reconstruct.BundleError as e:
                 self._fail(stream, e.reason, str(e))
                 raise _StreamFailed from None
-            missing = [lay for lay in bundle.layers if lay not in self._capture_layer_ids]
+            missing = [lay for lay in path.layers if lay not in self._capture_layer_ids]
             if missing:
                 self._fail(stream, protocol.BUNDLE_MISMATCH,
                            f"bundle layers {missing} are not captured by the engine "
                            f"(capture ids {self._capture_layer_ids})")
                 raise _StreamFailed
-            self._bundles[key] = bundle
+            self._bundles[key] = path
             while len(self._bundles) > self._max_bundles:
                 self._bundles.popitem(last=False)
         self._bundles.move_to_end(key)
-        fp = bundle.spec_fingerprint
-        if fp and p.spec_fingerprint and fp.lower() != p.spec_fingerprint.lower():
-            self._fail(stream, protocol.BUNDLE_MISMATCH,
-                       f"bundle spec_fingerprint {fp} != request's {p.spec_fingerprint}")
-            raise _StreamFailed
-        return bundle
+        return path
 
     def _emit_block(self, stream: RequestStream, block_index: int, hidden) -> None:
-        bundle = self._bundle(stream)
+        from . import reconstruct
+
+        path = self._bundle(stream)
         if not isinstance(hidden, np.ndarray):  # torch, in the engine's dtype (bf16 has no numpy type)
             hidden = hidden.float().numpy()
-        hidden = hidden.astype(np.float32, copy=False)  # the decoder's activation dtype
-        if hidden.shape[2] != bundle.hidden_size:
+        hidden = hidden.astype(np.float32, copy=False)  # cast to the decoder's dtype by the cache path
+        if hidden.shape[2] != path.hidden_size:
             self._fail(stream, protocol.BUNDLE_MISMATCH,
-                       f"captured hidden size {hidden.shape[2]} != bundle's {bundle.hidden_size}")
+                       f"captured hidden size {hidden.shape[2]} != the decoder's {path.hidden_size}")
             return
-        cols = [self._capture_layer_ids.index(lay) for lay in bundle.layers]
+        cols = [self._capture_layer_ids.index(lay) for lay in path.layers]
         t0 = time.perf_counter()
         try:
-            arrays = bundle.reconstruct(hidden[:, cols, :],
-                                        offset=block_index * stream.params.block_tokens,
-                                        streams=self._streams())
+            tensors, payload = reconstruct.block(path, hidden[:, cols, :],
+                                                 offset=block_index * stream.params.block_tokens,
+                                                 streams=self._streams())
         except Exception as e:
             self._fail(stream, protocol.RECONSTRUCT_FAILED, f"block {block_index}: {e}")
             return
         stream.reconstruct_ms += (time.perf_counter() - t0) * 1e3
-
-        tensors, offset = [], 0
-        for i, arr in enumerate(arrays):
-            tensors.append({"layer": bundle.layers[i // 2], "name": ("keys", "values")[i % 2],
-                            "dtype": "F32", "shape": list(arr.shape), "offset": offset,
-                            "nbytes": arr.nbytes})
-            offset += arr.nbytes
         header = {"type": "block", "request_id": stream.params.request_id,
-                  "block_index": block_index, "payload_bytes": offset, "tensors": tensors}
-        self._send(stream, header, [memoryview(a).cast("B") for a in arrays])
+                  "block_index": block_index, "payload_bytes": sum(t["nbytes"] for t in tensors),
+                  "tensors": tensors}
+        self._send(stream, header, payload)
         stream.blocks_emitted += 1
 
     def _emit_done(self, stream: RequestStream, num_tokens: int) -> None:

@@ -114,17 +114,17 @@ class ReconstructionTest(unittest.TestCase):
     def test_reconstruction_is_the_decoders_math(self):
         """Fed the decoder's own layer inputs, the plugin's MLX reconstruction reproduces the
         decoder's native cache bit for bit, block by block at each block's offset (no vLLM)."""
-        from pdbridge_vllm.reconstruct import Bundle
+        from pdbridge_vllm import reconstruct
 
-        bundle = Bundle.load(FX.bundle, FX.sha)
+        path = reconstruct.load(FX.bundle, FX.sha)
         exact = 0
         for b in range(T // B):
-            arrays = bundle.reconstruct(FX.native_hidden[b * B:(b + 1) * B], offset=b * B)
-            self.assertEqual(len(arrays), 2 * support.NUM_LAYERS)
-            for i, arr in enumerate(arrays):
-                ref = FX.native[i // 2][i % 2][:, :, b * B:(b + 1) * B, :]
-                self.assertTrue(np.array_equal(arr.view(np.uint32), ref.view(np.uint32)),
-                                f"block {b} layer {i // 2} {('keys', 'values')[i % 2]}")
+            rows = path.block(FX.native_hidden[b * B:(b + 1) * B], offset=b * B)
+            self.assertEqual(len(rows), 2 * support.NUM_LAYERS)
+            for layer, name, arr in rows:
+                ref = FX.native[layer][("keys", "values").index(name)][:, :, b * B:(b + 1) * B, :]
+                self.assertTrue(np.array_equal(np.asarray(arr).view(np.uint32), ref.view(np.uint32)),
+                                f"block {b} layer {layer} {name}")
                 exact += 1
         print(f"\n[decoder's own layer inputs → plugin reconstruction] {exact}/{exact} tensors "
               "bit-exact vs the decoder's native cache")

@@ -1,7 +1,10 @@
-"""Bundle validation (MLX only, no vLLM): the plugin refuses what it would not reproduce exactly."""
+"""Bundle loading (MLX only, no vLLM): the plugin builds the decoder's cache path from the decoder's
+bundle, and refuses, with a protocol reason, a bundle it cannot use."""
 
 from __future__ import annotations
 
+import json
+import shutil
 import tempfile
 import unittest
 from pathlib import Path
@@ -9,55 +12,62 @@ from pathlib import Path
 import support  # noqa: F401  (puts prefilld/engine on sys.path)
 
 import mlx.core as mx  # noqa: E402
+from pdbridge_cache.safetensors_io import serialize  # noqa: E402
 
-from pdbridge_vllm import protocol  # noqa: E402
-from pdbridge_vllm.reconstruct import Bundle, BundleError  # noqa: E402
+from pdbridge_vllm import protocol, reconstruct  # noqa: E402
 
 
-class BundleValidationTest(unittest.TestCase):
+class BundleLoadTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
         cls.tmp = tempfile.TemporaryDirectory(prefix="pdb-bundle-")
-        path, _ = support.decoder_bundle(Path(cls.tmp.name))
-        cls.arrays, cls.meta = mx.load(path, return_metadata=True)
+        cls.path, cls.sha = support.decoder_bundle(Path(cls.tmp.name))
+        cls.arrays, cls.meta = mx.load(cls.path, return_metadata=True)
 
     @classmethod
     def tearDownClass(cls):
         cls.tmp.cleanup()
 
-    def refused(self, arrays=None, reason=protocol.BUNDLE_MISMATCH, **meta):
-        md = {**self.meta, **meta}
-        with self.assertRaises(BundleError) as ctx:
-            Bundle(arrays if arrays is not None else self.arrays, md, "00")
+    def variant(self, arrays=None, **meta) -> str:
+        path = Path(self.tmp.name) / f"variant-{len(list(Path(self.tmp.name).iterdir()))}.safetensors"
+        tensors = arrays if arrays is not None else self.arrays
+        path.write_bytes(serialize(sorted(tensors.items()), {**self.meta, **meta}))
+        return str(path)
+
+    def refused(self, path: str, reason: str, needle: str, sha: str | None = None):
+        with self.assertRaises(reconstruct.BundleError) as ctx:
+            reconstruct.load(path, sha)
         self.assertEqual(ctx.exception.reason, reason, str(ctx.exception))
+        self.assertIn(needle, str(ctx.exception))
 
-    def test_the_decoders_bundle_loads(self):
-        b = Bundle(self.arrays, self.meta, "00")
-        self.assertEqual(b.layers, list(range(support.NUM_LAYERS)))
-        self.assertEqual((b.num_kv_heads, b.head_dim, b.hidden_size, b.group_size, b.bits),
-                         (3, 64, 576, 32, 4))
-        self.assertEqual((b.eps, b.rope_theta, b.rope_traditional), (1e-5, 1e5, False))
+    def test_the_decoders_bundle_loads_as_its_cache_path(self):
+        path = reconstruct.load(self.path, self.sha)
+        self.assertEqual(path.layers, list(range(support.NUM_LAYERS)))
+        self.assertEqual((path.hidden_size, path.dtype), (576, mx.float32))
+        self.assertEqual({type(t).__name__ for t in path.templates}, {"KVCache"})
+        # Only the cache path's parameters travel: norms and k/v projections, no q/o, MLP or embedding.
+        kinds = {name.split(".")[-2] for name in self.arrays}
+        self.assertEqual(kinds, {"input_layernorm", "k_proj", "v_proj"})
 
-    def test_refuses_what_it_cannot_reproduce(self):
-        self.refused(quant_mode="mxfp4")
-        self.refused(quant_mode="none", bits="0", group_size="0")
-        self.refused(dtype="F16")
-        self.refused(format="something-else")
-        knorm = {**self.arrays, "model.layers.0.self_attn.k_norm.weight": mx.ones((64,))}
-        self.refused(arrays=knorm)
+    def test_refuses_what_it_cannot_use(self):
+        self.refused(self.path, protocol.BUNDLE_MISMATCH, "sha256", sha="00" * 32)
+        self.refused(self.variant(format="pdbridge-bundle-v1"), protocol.BUNDLE_MISMATCH, "format")
+        self.refused(self.variant(mlx_lm="0.0.1"), protocol.BUNDLE_MISMATCH, "same mlx and mlx-lm")
+        config = json.loads(self.meta["config"])
+        self.refused(self.variant(config=json.dumps({**config, "model_type": "no_such_model"})),
+                     protocol.BUNDLE_MISMATCH, "no_such_model")
 
     def test_unreadable_bundles(self):
-        self.refused(reason=protocol.BUNDLE_UNREADABLE, num_layers="31")
-        meta = dict(self.meta)
-        del meta["rope_theta"]
-        with self.assertRaises(BundleError) as ctx:
-            Bundle(self.arrays, meta, "00")
-        self.assertEqual(ctx.exception.reason, protocol.BUNDLE_UNREADABLE)
-        partial = {k: v for k, v in self.arrays.items() if "layers.3.self_attn.v_proj" not in k}
-        self.refused(arrays=partial, reason=protocol.BUNDLE_UNREADABLE)
-        with self.assertRaises(BundleError) as ctx:
-            Bundle.load("/nonexistent/bundle.safetensors", None)
-        self.assertEqual(ctx.exception.reason, protocol.BUNDLE_UNREADABLE)
+        self.refused(self.variant(dtype="F8"), protocol.BUNDLE_UNREADABLE, "metadata")
+        self.refused(self.variant(config="{not json"), protocol.BUNDLE_UNREADABLE, "metadata")
+        foreign = {**self.arrays, "model.layers.0.self_attn.not_a_parameter": mx.zeros((4,))}
+        self.refused(self.variant(arrays=foreign), protocol.BUNDLE_UNREADABLE, "not_a_parameter")
+        self.refused("/nonexistent/bundle.safetensors", protocol.BUNDLE_UNREADABLE, "No such file")
+        torn = Path(self.tmp.name) / "torn.safetensors"
+        shutil.copyfile(self.path, torn)
+        with open(torn, "r+b") as f:
+            f.truncate(1000)
+        self.refused(str(torn), protocol.BUNDLE_UNREADABLE, "torn")
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ DTYPE_NAMES = {
 }
 
 if sys.byteorder != "little":  # numpy's native order is what we write
-    raise ImportError("pdbridge_mlx writes little-endian files and needs a little-endian host")
+    raise ImportError("pd-bridge writes little-endian files and needs a little-endian host")
 
 
 def dtype_name(dtype: mx.Dtype) -> str:

@@ -1,0 +1,95 @@
+"""Same-input conformance: is a reconstructed block the decoder's own cache, bit for bit?
+
+The decoder prefills a prompt natively (mlx-lm's `generate_step`, its chunking, its cache classes)
+while each layer's input is recorded; the cache path rebuilt from the decoder's bundle (what the
+prefill plugin runs) then reconstructs every block from those same inputs, and each tensor is
+compared with the decoder's cache. Used by the tests and by `bench/models.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
+
+from .kinds import TOKEN_AXIS, codec_for
+from .layers import CachePath
+
+
+class _RecordInput:
+    """Stands in for one decoder block and records its input (the residual stream)."""
+
+    def __init__(self, block: Any, sink: list):
+        self._block, self._sink = block, sink
+
+    def __call__(self, x, *args, **kwargs):
+        self._sink.append(x)
+        return self._block(x, *args, **kwargs)
+
+    def __getattr__(self, name):  # models read attributes of their blocks (e.g. use_sliding)
+        return getattr(self._block, name)
+
+
+def native_prefill(model: Any, tokens: list[int], prefill_step_size: int, kv_args: dict) -> tuple[list, list]:
+    """The decoder's caches after prefilling `tokens` as a native generation does, and each
+    layer's input for the tokens it processed: ([cache per layer], [mx [T, hidden] per layer])."""
+    layers = model.layers
+    inputs: list[list] = [[] for _ in layers]
+    originals = list(layers)
+    try:
+        for i, block in enumerate(originals):
+            layers[i] = _RecordInput(block, inputs[i])
+        cache = make_prompt_cache(model)
+        for _ in generate_step(mx.array(tokens), model, prompt_cache=cache, max_tokens=0,
+                               prefill_step_size=prefill_step_size, **kv_args):
+            pass
+    finally:
+        for i, block in enumerate(originals):
+            layers[i] = block
+    hidden = [mx.concatenate(x, axis=1)[0] for x in inputs]
+    mx.eval(hidden, [c.state for c in cache])
+    return cache, hidden
+
+
+@dataclass
+class Conformance:
+    tensors_exact: int = 0
+    tensors_total: int = 0
+    max_ulp: int = 0  # over floating tensors; packed codes count only as exact or not
+
+    def add(self, got: mx.array, want: mx.array) -> None:
+        self.tensors_total += 1
+        if got.shape != want.shape or got.dtype != want.dtype:
+            self.max_ulp = max(self.max_ulp, 2**31)
+            return
+        if mx.array_equal(got, want).item():
+            self.tensors_exact += 1
+            return
+        if mx.issubdtype(got.dtype, mx.floating):
+            bits = {2: mx.int16, 4: mx.int32}[got.dtype.size]
+            diff = np.abs(np.array(got.view(bits), dtype=np.int64) - np.array(want.view(bits), dtype=np.int64))
+            self.max_ulp = max(self.max_ulp, int(diff.max()))
+
+
+def same_input(model: Any, cache_path: CachePath, tokens: list[int], block_tokens: int,
+               prefill_step_size: int, kv_args: dict) -> Conformance:
+    """Reconstructs every whole block of `tokens` from the decoder's own layer inputs with
+    `cache_path` and compares each tensor with the decoder's native cache (where that cache still
+    holds the block: a sliding window keeps only its last rows)."""
+    cache, hidden = native_prefill(model, tokens, prefill_step_size, kv_args)
+    native = [codec_for(c).rows(c) for c in cache]
+    result = Conformance()
+    processed = hidden[0].shape[0]
+    for b in range(processed // block_tokens):
+        lo, hi = b * block_tokens, (b + 1) * block_tokens
+        block_inputs = mx.stack([hidden[layer][lo:hi] for layer in cache_path.layers], axis=1)
+        for layer, name, got in cache_path.block(block_inputs, lo):
+            want = native[layer][name]
+            first = cache[layer].offset - want.shape[TOKEN_AXIS]  # the first token the cache still holds
+            if lo >= first:
+                result.add(got, want[..., lo - first:hi - first, :])
+    return result

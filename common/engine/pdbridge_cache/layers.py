@@ -1,0 +1,203 @@
+"""The decoder's cache path, run with the decoder's own mlx-lm modules.
+
+For layer l, mlx-lm's decoder block computes ``self_attn(input_layernorm(h_l), mask, cache)`` and
+the attention module hands its finished keys and values (after its projections, norms, biases and
+RoPE) to ``cache.update_and_fetch``. `CachePath` calls the same two modules on a captured h_l with a
+recording cache in that place: the recorder gives k and v to an empty instance of the decoder's own
+cache class (so a QuantizedKVCache quantizes exactly as the decoder's does) and then aborts the
+attention, so queries, SDPA and the output projection never run (MLX is lazy: the query path is
+never even evaluated). No architecture's math is ported here: a model mlx-lm runs, this runs.
+
+The *bundle* carries what that needs: the decoder's config and, per layer, the input norm and the
+attention parameters its cache depends on (found by probing: a parameter group is shipped when
+zeroing it changes the cache), in the decoder's dtype. The prefill side instantiates the model with
+mlx-lm's own loader from that config and loads only those tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import Any, Iterable
+
+import mlx.core as mx
+import mlx_lm
+from mlx.utils import tree_flatten, tree_map
+
+from .kinds import codec_for, decoder_caches
+from .safetensors_io import DTYPE_NAMES, dtype_name
+
+BUNDLE_FORMAT = "pdbridge-bundle-v2"
+# A parameter of layer N's cache path: its input norm or a top-level entry of its attention module.
+_LAYER_PARAM = re.compile(r"(?:^|\.)layers\.(\d+)\.(input_layernorm|self_attn)\.([^.]+)")
+# mlx-lm's RoPE modules, by the rope type a HF config names (what vLLM applies).
+_ROPE_KIND = {
+    "Llama3RoPE": "llama3",
+    "YarnRoPE": "yarn",
+    "SuScaledRoPE": "longrope",
+    "DynamicNTKScalingRoPE": "dynamic",
+    "ProportionalRoPE": "proportional",
+}
+
+
+class BundleError(Exception):
+    """The bundle cannot be used. `unreadable` separates a damaged file from one that does not fit."""
+
+    def __init__(self, message: str, *, unreadable: bool = False):
+        super().__init__(message)
+        self.unreadable = unreadable
+
+
+class _Recorded(Exception):
+    """Raised by the recorder once the attention module has handed over its keys and values."""
+
+
+class _Recorder:
+    def __init__(self, inner: Any, offset: int):
+        self.inner = inner
+        self.offset = offset  # the position of the block's first token, for RoPE
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        self.inner.update_and_fetch(keys, values)
+        raise _Recorded
+
+
+def versions() -> dict[str, str]:
+    """The decoder code that defines the cache."""
+    return {"mlx": mx.__version__, "mlx_lm": mlx_lm.__version__}
+
+
+def effective_rope(attention: Any, theta: float) -> dict | None:
+    """The rotary embedding the attention module really applies, read from the instantiated
+    module, not from the config (mlx-lm ignores config keys it does not know). `theta`: the base the
+    model was built with, for modules that keep only their derived frequencies."""
+    rope = getattr(attention, "rope", None)
+    if rope is None:
+        return None
+    name = type(rope).__name__
+    scale = float(getattr(rope, "scale", 1.0))
+    kind = _ROPE_KIND.get(name) or ("default" if scale == 1.0 else "linear")
+    base = getattr(rope, "base", None) or theta
+    return {"kind": kind, "module": name, "base": float(base),
+            "traditional": bool(getattr(rope, "traditional", False)), "dims": int(getattr(rope, "dims", 0))}
+
+
+class CachePath:
+    """The decoder model's per-layer cache path. `templates` are the decoder's caches (one per
+    layer; their class and parameters are what reconstruction produces); `dtype` the decoder's
+    activation dtype."""
+
+    def __init__(self, model: Any, templates: list, dtype: mx.Dtype, layers: Iterable[int] | None = None):
+        self.model = model
+        self.templates = templates
+        self.dtype = dtype
+        self.layers = list(layers) if layers is not None else list(range(len(templates)))
+
+    def layer_rows(self, layer: int, hidden: mx.array, offset: int) -> dict[str, mx.array]:
+        """The rows layer `layer` caches for `hidden` = its input [1, T, hidden] at positions
+        offset..offset+T (lazy; evaluate them together)."""
+        block = self.model.layers[layer]
+        template = self.templates[layer]
+        codec = codec_for(template)
+        inner = codec.fresh(template)
+        try:
+            block.self_attn(block.input_layernorm(hidden.astype(self.dtype)), mask=None,
+                            cache=_Recorder(inner, offset))
+        except _Recorded:
+            return codec.rows(inner)
+        raise RuntimeError(f"layer {layer}: the attention module never wrote its cache")
+
+    def block(self, hidden: Any, offset: int, streams: list | None = None) -> list[tuple[int, str, mx.array]]:
+        """Every layer's rows for a block. `hidden`: [T, len(self.layers), hidden] (numpy or MLX),
+        the inputs of `self.layers` in order. Layers are spread round-robin over `streams` (on CPU
+        each has its own thread); a layer's ops all run on one stream, so its bits do not depend
+        on the stream count. One `mx.eval` for the whole block."""
+        streams = streams or [mx.default_stream(mx.default_device())]
+        out = []
+        for j, layer in enumerate(self.layers):
+            with mx.stream(streams[j % len(streams)]):
+                rows = self.layer_rows(layer, mx.array(hidden[None, :, j, :]), offset)
+            out += [(layer, name, a) for name, a in rows.items()]
+        mx.eval([a for _, _, a in out])
+        return out
+
+    # ---- the decoder's side: what the bundle must carry ----------------------------------------
+
+    def needed_params(self) -> list[tuple[str, mx.array]]:
+        """Input norms and the attention parameters each layer's cache depends on, by name."""
+        needed: dict[int, set[str]] = {}
+        for layer in self.layers:
+            attention = self.model.layers[layer].self_attn
+            probe = mx.random.normal((1, 2, self.hidden_size), key=mx.random.key(layer))
+            baseline = self.layer_rows(layer, probe, 0)
+            needed[layer] = set()
+            for key, value in attention.parameters().items():
+                attention.update({key: tree_map(mx.zeros_like, value)})
+                changed = self.layer_rows(layer, probe, 0)
+                attention.update({key: value})
+                if any(not mx.array_equal(baseline[n], changed[n]).item() for n in baseline):
+                    needed[layer].add(key)
+        out = []
+        for name, array in tree_flatten(self.model.parameters()):
+            m = _LAYER_PARAM.search(name)
+            if m and int(m.group(1)) in needed and (m.group(2) == "input_layernorm" or m.group(3) in needed[int(m.group(1))]):
+                out.append((name, array))
+        return sorted(out)
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.model.layers[self.layers[0]].input_layernorm.weight.shape[-1])
+
+    def bundle_metadata(self, config: dict, kv_bits: int, kv_group_size: int) -> dict[str, str]:
+        return {
+            "format": BUNDLE_FORMAT,
+            "config": json.dumps(config, sort_keys=True),
+            "dtype": dtype_name(self.dtype),
+            "kv_bits": str(kv_bits),
+            "kv_group_size": str(kv_group_size),
+            "layers": ",".join(map(str, self.layers)),
+            **versions(),
+        }
+
+    # ---- the prefill side: the cache path rebuilt from a bundle ----------------------------------
+
+    @classmethod
+    def from_bundle(cls, path: str) -> CachePath:
+        """Instantiates the decoder's model class with mlx-lm's own loader (config, quantization,
+        sanitize) and loads only the bundle's tensors; everything else stays lazy and unused."""
+        from mlx_lm.utils import load_model
+
+        try:
+            arrays, meta = mx.load(path, return_metadata=True)
+            if meta.get("format") != BUNDLE_FORMAT:
+                raise BundleError(f"bundle format {meta.get('format')!r}, expected {BUNDLE_FORMAT!r}")
+            config = json.loads(meta["config"])
+            dtype = next(d for d, n in DTYPE_NAMES.items() if n == meta["dtype"])
+            kv_bits, kv_group_size = int(meta["kv_bits"]), int(meta["kv_group_size"])
+            layers = [int(i) for i in meta["layers"].split(",")]
+            theirs = {k: meta[k] for k in versions()}
+        except BundleError:
+            raise
+        except Exception as e:  # missing keys, bad JSON, an unknown dtype name
+            raise BundleError(f"{path}: bad bundle metadata: {e!r}", unreadable=True) from None
+        if theirs != versions():
+            raise BundleError(f"the decoder runs {theirs}, this plugin {versions()}: the cache is what the "
+                              "decoder's code computes, so both sides must run the same mlx and mlx-lm")
+        with tempfile.TemporaryDirectory(prefix="pdbridge-bundle-") as folder:
+            Path(folder, "config.json").write_text(json.dumps(config))
+            os.symlink(os.path.abspath(path), Path(folder, "model.safetensors"))
+            try:
+                model, _ = load_model(Path(folder), lazy=True, strict=False)
+            except Exception as e:
+                raise BundleError(f"mlx-lm cannot build the decoder's {config.get('model_type')!r}: {e}") from None
+            model.set_dtype(dtype)
+            loaded = [(n, a) for n, a in tree_flatten(model.parameters()) if n in arrays]
+            if len(loaded) != len(arrays):
+                extra = sorted(set(arrays) - {n for n, _ in loaded})
+                raise BundleError(f"tensors {extra[:4]} are not parameters of {config.get('model_type')!r}",
+                                  unreadable=True)
+            mx.eval([a for _, a in loaded])  # before the folder (and its link) goes
+        return cls(model, decoder_caches(model, kv_bits or None, kv_group_size), dtype, layers)
