@@ -88,7 +88,9 @@ class Sampler:
         self._thread.join()
 
 
-def configs(run: Path, ports: dict, model: str, max_len: int) -> tuple[Path, Path]:
+def configs(run: Path, ports: dict, model: str, max_len: int, decoder: str = "", prefill_dtype: str = "float32"
+            ) -> tuple[Path, Path]:
+    """`decoder`: extra `[engine]` keys for decoded (dtype, kv_bits, …)."""
     decoded = f"""
 [server]
 grpc_listen = "127.0.0.1:{ports['decoded_grpc']}"
@@ -106,6 +108,7 @@ adapter_dir = "{ROOT}/decoded/engine"
 model = "{ROOT}/models/{model}-mlx"
 socket = "{run}/engine.sock"
 start_timeout = "600s"
+{decoder}
 [front]
 listen = "127.0.0.1:{ports['front']}"
 model_name = "{model}"
@@ -125,7 +128,7 @@ format = "json"
 python = "{ROOT}/.venv/bin/python"
 plugin_dir = "{ROOT}/prefilld/engine"
 model = "{ROOT}/models/{model}-hf"
-dtype = "float32"
+dtype = "{prefill_dtype}"
 max_model_len = {max_len}
 plugin_socket = "{run}/plugin.sock"
 bundle_dir = "{run}/bundles"
@@ -168,14 +171,14 @@ def open_files(pid: int) -> int:
 class Daemons:
     """decoded + prefilld on `model`, ready on entry, stopped on exit."""
 
-    def __init__(self, model: str, run_dir: str, max_len: int):
+    def __init__(self, model: str, run_dir: str, max_len: int, decoder: str = "", prefill_dtype: str = "float32"):
         self.run = (ROOT / run_dir).resolve()
         subprocess.run(["rm", "-rf", str(self.run)], check=True)
         self.run.mkdir(parents=True)
         self.ports = {
             k: free_port() for k in ("decoded_grpc", "decoded_admin", "front", "prefilld_grpc", "prefilld_admin")
         }
-        self.tomls = configs(self.run, self.ports, model, max_len)
+        self.tomls = configs(self.run, self.ports, model, max_len, decoder, prefill_dtype)
         self.procs: dict[str, subprocess.Popen] = {}
         self.front = f"http://127.0.0.1:{self.ports['front']}"
         self.decoded_log = self.run / "decoded.log"

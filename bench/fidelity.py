@@ -10,7 +10,7 @@ transformers for the plain-transfer baseline. One command:
 Writes bench/results/fidelity.json and bench/results/fidelity.md.
 
 1. same-input exactness: the decoder's own per-layer attention inputs (captured from an mlx-lm
-   prefill) → the plugin's `Bundle.reconstruct`, block by block at each block's offset → compared
+   prefill) → the plugin's cache path (`pdbridge_vllm.reconstruct.load`), block by block at each block's offset → compared
    with the decoder's native cache: bit-exact tensors, exact-element fraction, max ulp, max abs/rel.
 2. chunk independence: one prompt bridged by vLLM at `--max-num-batched-tokens 256` and at the
    default (4096 on CPU): are the reconstructed blocks byte-identical?
@@ -197,7 +197,7 @@ class Decoder:
         cached = 0
         t0 = time.perf_counter()
         if block_files is not None:
-            cached = self.engine._restore(cache, block_files, tokens, None)
+            cache, cached = self.engine._restore(block_files, tokens, None)
         elif cache_kv is not None:
             covered = cache_kv[0][0].shape[2]
             for c, (k, v) in zip(cache, cache_kv):
@@ -420,7 +420,7 @@ def main():
 
 def run_all(args, tmp: Path, R: dict):
     import mlx.core as mx
-    from pdbridge_vllm.reconstruct import Bundle
+    from pdbridge_vllm import reconstruct
 
     dec = Decoder(tmp)
     tok = dec.engine.tokenizer
@@ -464,13 +464,12 @@ def run_all(args, tmp: Path, R: dict):
     del inputs
     nb = (len(probe_ids) - 1) // B
     native_kv = cache_np(native_probe["cache"], nb * B)
-    bundle = Bundle.load(str(dec.engine.bundle_path), dec.engine.bundle_sha256)
+    path = reconstruct.load(str(dec.engine.bundle_path), dec.engine.bundle_sha256)
     stats1 = []
     for b in range(nb):
-        arrays = bundle.reconstruct(np.ascontiguousarray(hidden[b * B:(b + 1) * B]), offset=b * B)
-        for i, arr in enumerate(arrays):
-            ref = native_kv[i // 2][i % 2][:, :, b * B:(b + 1) * B, :]
-            stats1.append(compare(arr, ref))
+        for layer, name, arr in path.block(np.ascontiguousarray(hidden[b * B:(b + 1) * B]), offset=b * B):
+            ref = native_kv[layer][("keys", "values").index(name)][:, :, b * B:(b + 1) * B, :]
+            stats1.append(compare(np.asarray(arr), ref))
     s1 = summarize(stats1)
     R["same_input"] = {"prompt_tokens": len(probe_ids), "blocks": nb, **s1}
     R.update({k: s1[k] for k in ("tensors_exact", "tensors_total", "min_exact_fraction", "max_ulp")})
@@ -685,7 +684,7 @@ def explain(R: dict):
         s = R["same_input"]
         notes.append(
             f"Item 1: the decoder's own layer inputs (captured from mlx-lm's prefill of {s['prompt_tokens']} "
-            f"tokens) through the plugin's Bundle.reconstruct: {s['tensors_exact']}/{s['tensors_total']} "
+            f"tokens) through the plugin's cache path: {s['tensors_exact']}/{s['tensors_total']} "
             "K/V tensors bit-exact. Same MLX ops (fast.rms_norm, quantized_matmul, fast.rope) on the same "
             "inputs; MLX's CPU kernels are per-token and per-output sequential, so block offset and "
             "chunking do not change the bits.")

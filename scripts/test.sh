@@ -15,9 +15,14 @@ if ! command -v systemd-analyze >/dev/null; then
   fi
 fi
 .venv/bin/python scripts/prepare-model.py
+# The generated model families the end-to-end tests bridge (seconds each, idempotent).
+for family in llama3 qwen3; do
+  .venv/bin/python scripts/make-tiny-model.py --family "$family"
+done
 cargo build --workspace --bins --locked
 cargo nextest run --workspace --locked --no-fail-fast "$@"
 # The engine adapters' own tests, on the real engines (unittest: the engines'
 # environment has no pytest).
+.venv/bin/python -m unittest discover -s common/engine/tests
 .venv/bin/python -m unittest discover -s decoded/engine/tests
 .venv/bin/python -m unittest discover -s prefilld/engine/tests

@@ -115,7 +115,7 @@ enum FrontError {
     #[error("not answered within front.request_timeout ({0:?})")]
     Timeout(Duration),
     /// `X-PD-Bridge-Mode: bridge` and the bridge could not be used.
-    #[error("bridge required but unavailable: {reason}")]
+    #[error("bridge required but unavailable: {reason}{}", if detail.is_empty() { String::new() } else { format!(" ({detail})") })]
     BridgeRequired { reason: &'static str, detail: String },
 }
 
@@ -633,6 +633,7 @@ impl BridgeFailure {
 fn reason_of(outcome_reason: &str) -> &'static str {
     match outcome_reason.split(':').next().unwrap_or_default() {
         "spec_mismatch" => "spec_mismatch",
+        "unsupported_model" => "unsupported_model",
         "timeout" => "timeout",
         "decoder_unavailable" | "bundle_failed" => "decoder_unreachable",
         "prefill_failed" => "prefill_failed",

@@ -318,6 +318,20 @@ impl Engines {
         engines
     }
 
+    /// The same engines on a generated checkpoint (`scripts/make-tiny-model.py --family <family>`).
+    pub fn family(family: &str) -> Engines {
+        let root = workspace_root();
+        let engines = Engines {
+            decoder_model: root.join(format!("models/tiny-{family}-mlx")),
+            prefill_model: root.join(format!("models/tiny-{family}-hf")),
+            ..Engines::locate()
+        };
+        for path in [&engines.decoder_model, &engines.prefill_model] {
+            assert!(path.exists(), "{} is missing: run scripts/test.sh (it generates the checkpoints)", path.display());
+        }
+        engines
+    }
+
     /// decoded with its real engine; `extra` is appended (e.g. a `[front]` section).
     pub fn decoded_config(&self, store_dir: &Path, block_tokens: u32, extra: &str) -> String {
         format!(

@@ -22,7 +22,7 @@ from pdbridge_cache.check import native_prefill, same_input  # noqa: E402
 from pdbridge_cache.layers import CachePath  # noqa: E402
 from pdbridge_mlx.engine import Engine  # noqa: E402
 
-MODEL = REPO / "models" / "tiny-llama-long-mlx"
+MODEL = REPO / "models" / "tiny-llama3-mlx"
 BLOCK = 64
 STEP = 96  # native prefill chunks that do not line up with blocks
 

@@ -53,13 +53,14 @@ class Adapter:
     """The adapter as decoded runs it: a subprocess that prints a ready line."""
 
     def __init__(self, workdir: str, *, bundle_dir: str | None = None, socket_name: str = "engine.sock",
-                 model: Path = MODEL):
+                 model: Path = MODEL, extra: tuple[str, ...] = ()):
         self.socket = os.path.join(workdir, socket_name)
         self.stderr_path = tempfile.mkstemp(prefix="adapter-", suffix=".log", dir=workdir)[1]
         cmd = [sys.executable, "-m", "pdbridge_mlx", "--model", str(model), "--socket", self.socket,
                "--block-tokens", str(BLOCK)]
         if bundle_dir:
             cmd += ["--bundle-dir", bundle_dir]
+        cmd += extra
         env = dict(os.environ, PYTHONPATH=str(ENGINE_DIR))
         self._stderr = open(self.stderr_path, "wb")
         t0 = time.perf_counter()
@@ -158,12 +159,16 @@ class AdapterTest(unittest.TestCase):
                 "index": i, "cache_class": "KVCache",
                 "tensors": [{"name": n, "dtype": "F32", "shape": [1, 3, 1, 64], "token_axis": 2}
                             for n in ("keys", "values")],
-                "rope": {"kind": "default", "base": 100000.0, "traditional": False, "dims": 64, "scaling": {}},
-                "window": 0, "keep": 0, "kv_bits": 0, "kv_group_size": 0,
+                "rope": {"kind": "default", "module": "RoPE", "base": 100000.0, "traditional": False, "dims": 64},
+                "window": 0, "keep": 0, "kv_bits": 0, "kv_group_size": 0, "kind": "rows", "unsupported_reason": "",
             })
         self.assertEqual(self.info["model_id"], spec["model_id"])
+        import mlx.core as mx
+        import mlx_lm
 
-    def test_bundle_holds_the_decoders_own_kv_weights(self):
+        self.assertEqual(spec["decoder_code"], {"model_type": "llama", "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__})
+
+    def test_bundle_holds_what_the_decoders_cache_depends_on(self):
         import mlx.core as mx
 
         path = self.info["bundle_path"]
@@ -175,10 +180,12 @@ class AdapterTest(unittest.TestCase):
         self.assertEqual(set(arrays), expected)
         self.assertEqual(arrays["model.layers.0.self_attn.k_proj.weight"].dtype, mx.uint32)
         self.assertEqual(arrays["model.layers.0.self_attn.k_proj.scales"].dtype, mx.float32)
-        for key, want in {"rms_norm_eps": "1e-05", "rope_theta": "100000.0", "rope_traditional": "false",
-                          "head_dim": "64", "num_kv_heads": "3", "group_size": "32", "bits": "4",
-                          "quant_mode": "affine"}.items():
+        for key, want in {"format": "pdbridge-bundle-v2", "dtype": "F32", "kv_bits": "0",
+                          "layers": ",".join(map(str, range(30)))}.items():
             self.assertEqual(meta.get(key), want, key)
+        # The decoder's own config, as mlx-lm loaded it (the prefill side builds the model from it).
+        config = json.loads(meta["config"])
+        self.assertEqual((config["model_type"], config["quantization"]["bits"]), ("llama", 4))
         # The fp32 model folder holds exactly these arrays: the bundle is the decoder's form.
         weights = mx.load(str(MODEL / "model.safetensors"))
         for name in expected:
@@ -457,9 +464,10 @@ class LifecycleTest(unittest.TestCase):
                 self.assertIn("SIGTERM: shutting down", adapter.log())
             self.assertEqual(shas[0], shas[1])
 
-    def test_refuses_to_start_for_other_cache_classes(self):
-        """A tiny random-weight llama with a sliding-window layer: its
-        RotatingKVCache is not supported yet, so the adapter must not start."""
+    def test_a_sliding_window_model_is_described_and_kv_bits_it_cannot_take_are_refused(self):
+        """A tiny random-weight llama with a sliding-window layer: the spec describes its
+        RotatingKVCache (window, rows per token); asked to quantize that cache, which mlx-lm
+        cannot do, the adapter must not start."""
         if not (MODEL / "config.json").is_file():
             self.skipTest(f"{MODEL} is missing")
         import shutil
@@ -483,11 +491,20 @@ class LifecycleTest(unittest.TestCase):
             (model_dir / "config.json").write_text(json.dumps(config))
             model = llama.Model(llama.ModelArgs.from_dict(config))
             mx.save_safetensors(str(model_dir / "model.safetensors"), dict(tree_flatten(model.parameters())))
+
             adapter = Adapter(tmp, model=model_dir)
+            try:
+                layers = adapter.request({"op": "info"})[0]["spec"]["layers"]
+            finally:
+                self.assertEqual(adapter.stop(), 0, adapter.log())
+            self.assertEqual([(l["cache_class"], l["window"], l["kind"]) for l in layers],
+                             [("RotatingKVCache", 32, "rows"), ("KVCache", 0, "rows")])
+            self.assertEqual(layers[0]["tensors"][0]["shape"], [1, 2, 1, 16])
+
+            adapter = Adapter(tmp, model=model_dir, extra=("--kv-bits", "4"), socket_name="kv4.sock")
             self.assertEqual(adapter.stop(signal_it=False), 1)
             self.assertFalse(adapter.ready["ready"])
-            self.assertIn("layer 0 uses RotatingKVCache", adapter.ready["error"])
-            self.assertIn("supports only KVCache", adapter.log())
+            self.assertIn("cannot quantize a RotatingKVCache", adapter.ready["error"])
             self.assertFalse(os.path.exists(adapter.socket))
 
 

@@ -12,20 +12,20 @@ const BLOCK_TOKENS: u64 = 32;
 /// The decoder's own cache for this model: 30 layers × (K + V) × 3 heads × 64 × fp32.
 const CACHE_BYTES_PER_TOKEN: f64 = 46_080.0;
 
-struct Answer {
-    status: u16,
-    verdict: Value,
-    body: Value,
+pub(crate) struct Answer {
+    pub status: u16,
+    pub verdict: Value,
+    pub body: Value,
 }
 
 impl Answer {
-    fn text(&self) -> &str {
+    pub fn text(&self) -> &str {
         self.body["choices"][0]["message"]["content"].as_str().unwrap_or_default()
     }
-    fn cached_tokens(&self) -> u64 {
+    pub fn cached_tokens(&self) -> u64 {
         self.body["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().expect("usage.cached_tokens")
     }
-    fn prompt_tokens(&self) -> u64 {
+    pub fn prompt_tokens(&self) -> u64 {
         self.body["usage"]["prompt_tokens"].as_u64().expect("usage.prompt_tokens")
     }
 }
@@ -34,7 +34,7 @@ fn chat_url(decoded: &Daemon) -> String {
     format!("http://{}/v1/chat/completions", decoded.front.expect("front door"))
 }
 
-async fn chat(decoded: &Daemon, messages: &Value, mode: &str) -> Answer {
+pub(crate) async fn chat(decoded: &Daemon, messages: &Value, mode: &str) -> Answer {
     chat_at(&chat_url(decoded), messages, mode).await
 }
 
@@ -57,7 +57,7 @@ async fn chat_at(url: &str, messages: &Value, mode: &str) -> Answer {
     Answer { status, verdict, body }
 }
 
-fn user(text: &str) -> Value {
+pub(crate) fn user(text: &str) -> Value {
     json!([{"role": "user", "content": text}])
 }
 

@@ -2,6 +2,7 @@
 //! daemon binaries on loopback.
 
 mod bridge;
+mod families;
 mod foundation;
 mod load;
 mod ops;

@@ -1,0 +1,88 @@
+//! Model families other than the test model, end to end on the real engines: the decoder's own
+//! mlx-lm modules reconstruct caches with rope scaling, q/k norms, 8-bit weights and a quantized
+//! KV cache, and a cache class without a codec is refused at the handshake with its reason.
+
+use std::time::Duration;
+
+use pdbridge_common::proto::{
+    PrefillRequest, outcome::Status, prefill_event::Event, prefiller_client::PrefillerClient,
+};
+use pdbridge_tests::{Daemon, Engines, Scratch, fixed_spec_config, license_text};
+
+use crate::bridge::{chat, user};
+
+const BLOCK_TOKENS: u32 = 64;
+
+/// prefilld and decoded on `family`'s generated checkpoint, the decoder's `[engine]` given
+/// `engine_keys`; a cold prompt bridged, then served natively: the same greedy answer.
+async fn bridges_as_the_decoder_answers(family: &str, engine_keys: &str, scratch: &Scratch) -> Daemon {
+    let engines = Engines::family(family);
+    let prefilld = Daemon::start("prefilld", &engines.prefilld_config(&scratch.0.join(family))).await;
+    prefilld.wait_ready(Duration::from_secs(900)).await;
+    let extra = format!(
+        "{engine_keys}\n[front]\nlisten = \"127.0.0.1:0\"\nprefilld = \"http://{}\"\nmin_bridge_tokens = {BLOCK_TOKENS}\n",
+        prefilld.grpc
+    );
+    let store = scratch.0.join(format!("{family}-store"));
+    let mut decoded = Daemon::start("decoded", &engines.decoded_config(&store, BLOCK_TOKENS, &extra)).await;
+    decoded.wait_ready(Duration::from_secs(300)).await;
+
+    let license = license_text();
+    let prompt = user(&format!("{}\n\nWhat is this text?", &license[..2400]));
+    let bridged = chat(&decoded, &prompt, "auto").await;
+    assert_eq!(bridged.status, 200, "{family}: {:?}", bridged.body);
+    assert_eq!(bridged.verdict["outcome"], "bridged", "{family}: {}", bridged.verdict);
+    let blocks = bridged.prompt_tokens() / u64::from(BLOCK_TOKENS);
+    assert!(
+        blocks >= 4 && bridged.cached_tokens() == blocks * u64::from(BLOCK_TOKENS),
+        "{family}: {}",
+        bridged.verdict
+    );
+    let native = chat(&decoded, &prompt, "native").await;
+    assert_eq!(native.cached_tokens(), 0);
+    assert!(!native.text().is_empty());
+    assert_eq!(native.text(), bridged.text(), "{family}: bridged and native greedy answers differ");
+    decoded.terminate();
+    decoded.wait(Duration::from_secs(60)).await;
+    prefilld
+}
+
+#[tokio::test]
+async fn generated_families_bridge_as_their_decoder_answers() {
+    let scratch = Scratch::new("families");
+    // Llama 3.1 rope scaling, the decoder keeping a 4-bit quantized KV cache.
+    let mut prefilld = bridges_as_the_decoder_answers("llama3", "kv_bits = 4\nkv_group_size = 32", &scratch).await;
+    prefilld.terminate();
+    prefilld.wait(Duration::from_secs(120)).await;
+    // Qwen3's per-head q/k norms, 8-bit weights.
+    let prefilld = bridges_as_the_decoder_answers("qwen3", "", &scratch).await;
+
+    // A decoder whose layer 1 keeps a recurrent state (no codec): prefilld refuses at the
+    // handshake, naming the layer and why, and bridges nothing.
+    let config = fixed_spec_config(&scratch.0.join("recurrent"), &scratch.0.join("recurrent-store"), 16, "");
+    let spec_file = scratch.0.join("recurrent").join("spec.json");
+    let mut info: serde_json::Value = serde_json::from_slice(&std::fs::read(&spec_file).unwrap()).unwrap();
+    let layer = &mut info["spec"]["layers"][1];
+    layer["cache_class"] = "ArraysCache".into();
+    layer["kind"] = "unsupported".into();
+    layer["tensors"] = serde_json::json!([]);
+    layer["unsupported_reason"] = "ArraysCache: recurrent state (a scan over every earlier token)".into();
+    std::fs::write(&spec_file, info.to_string()).unwrap();
+    let decoder = Daemon::start("decoded", &config).await;
+    decoder.wait_ready(Duration::from_secs(60)).await;
+    let request =
+        PrefillRequest { token_ids: (0..48).collect(), decoder_addr: decoder.grpc_uri(), ..Default::default() };
+    let mut events =
+        PrefillerClient::connect(prefilld.grpc_uri()).await.unwrap().prefill(request).await.unwrap().into_inner();
+    let mut outcome = None;
+    while let Some(event) = events.message().await.unwrap() {
+        if let Some(Event::Outcome(o)) = event.event {
+            outcome = Some(o);
+        }
+    }
+    let outcome = outcome.expect("an outcome");
+    assert_eq!(outcome.status(), Status::Failed, "{outcome:?}");
+    assert_eq!(outcome.blocks_committed, 0);
+    assert!(outcome.reason.starts_with("unsupported_model"), "{}", outcome.reason);
+    assert!(outcome.reason.contains("layer 1: ArraysCache: recurrent state"), "{}", outcome.reason);
+}
