@@ -93,14 +93,13 @@ def same_input(engine, tokens: list[int]) -> dict:
     return asdict(result)
 
 
-def own_bytes_per_token(engine, tokens: list[int]) -> float:
-    """What the decoder's own cache holds per token, summed over layers (its classes, its dtype)."""
-    from pdbridge_cache import kinds
-    from pdbridge_cache.check import native_prefill
+def own_bytes_per_token(engine) -> int:
+    """What the decoder's own caches store per token, summed over layers: each tensor's per-token
+    row in the decoder's dtype and quantization, as its spec describes them."""
+    from pdbridge_cache.safetensors_io import DTYPE_NAMES
 
-    cache, _ = native_prefill(engine.model, tokens, SAME_INPUT_STEP, engine.kv_args)
-    total = sum(a.nbytes for c in cache for a in kinds.codec_for(c).rows(c).values())
-    return total / len(tokens)
+    size = {name: dtype.size for dtype, name in DTYPE_NAMES.items()}
+    return sum(math.prod(t["shape"]) * size[t["dtype"]] for layer in engine.spec["layers"] for t in layer["tensors"])
 
 
 def store_blocks(store: Path) -> dict[tuple[str, str], str]:
@@ -213,7 +212,7 @@ def run_row(row: Row, args, text: str) -> dict:
         sent += sum(tensor_bytes(p) for p in paths)
         tokens_sent += len(paths) * BLOCK_TOKENS
     probe = engine.tokenize({"messages": prompts[0]["messages"]})
-    own = own_bytes_per_token(engine, probe)
+    own = own_bytes_per_token(engine)
     result.update(same_input(engine, probe[: (len(probe) // BLOCK_TOKENS) * BLOCK_TOKENS + 7]))
     n = len(rows_out)
     result.update({

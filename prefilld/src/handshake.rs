@@ -77,9 +77,8 @@ pub fn mismatches(profile: &ModelProfile, spec: &CacheSpec) -> Vec<String> {
     differ(&mut out, "tokenizer", &profile.tokenizer_fingerprint, &spec.tokenizer_fingerprint);
     // The decoder's rope is what its instantiated modules apply; an engine that
     // ignores a config key it does not know would otherwise run another model.
-    let ours = &profile.rope;
     for layer in &spec.layers {
-        let Some(rope) = &layer.rope else { continue };
+        let (Some(rope), Some(ours)) = (&layer.rope, profile.ropes.get(layer.index as usize)) else { continue };
         let what = |field: &str| format!("layer {} rope {field}", layer.index);
         differ(&mut out, &what("base"), ours.theta, rope.base);
         differ(&mut out, &what("type"), &ours.kind, &rope.kind);
@@ -231,7 +230,7 @@ mod tests {
             head_dim: 64,
             hidden_size: 576,
             vocab_size: 49152,
-            rope: HfRope { kind: "default".into(), theta: 1e5, scaling: Default::default() },
+            ropes: vec![HfRope { kind: "default".into(), theta: 1e5, scaling: Default::default() }; 2],
             tokenizer_fingerprint: "tok".into(),
         }
     }
@@ -282,8 +281,10 @@ mod tests {
         // vLLM applies llama3 scaling; the decoder's modules apply plain RoPE (an engine that
         // does not know a config key): two different models, so the handshake must say so.
         let mut scaled = profile();
-        scaled.rope.kind = "llama3".into();
-        scaled.rope.scaling = [("factor".to_owned(), 8.0), ("low_freq_factor".to_owned(), 1.0)].into();
+        for rope in &mut scaled.ropes {
+            rope.kind = "llama3".into();
+            rope.scaling = [("factor".to_owned(), 8.0), ("low_freq_factor".to_owned(), 1.0)].into();
+        }
         let found = mismatches(&scaled, &matching_spec());
         assert_eq!(found.len(), 2, "{found:?}");
         assert!(found[0].contains("layer 0 rope type: prefill llama3, decoder default"), "{found:?}");
@@ -292,7 +293,7 @@ mod tests {
         for layer in &mut spec.layers {
             let rope = layer.rope.as_mut().unwrap();
             rope.kind = "llama3".into();
-            rope.scaling = scaled.rope.scaling.clone();
+            rope.scaling = scaled.ropes[0].scaling.clone();
         }
         assert_eq!(mismatches(&scaled, &spec), Vec::<String>::new());
         spec.layers[1].rope.as_mut().unwrap().scaling.insert("factor".into(), 4.0);
