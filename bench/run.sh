@@ -4,7 +4,8 @@
 # both /readyz, run bench/bridge.py (arguments pass through, e.g.
 # `--lengths 512,1024,2048`), then stop both daemons with SIGTERM.
 #
-#   bench/run.sh [--lengths 512,1024,2048,4096] [--out bench/results] [--no-midblock] [--budget-s N]
+#   bench/run.sh [--model smollm2|llama3|qwen3|…] [--lengths 512,1024,2048,4096] [--out bench/results]
+#                [--no-midblock] [--budget-s N]
 #
 # Results: bench/results/bridge.json and bridge_ttft.png; the daemons' logs
 # stay in var/bench/. See BENCHMARKS.md.
@@ -12,7 +13,17 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 scripts/setup-engines.sh
-.venv/bin/python scripts/prepare-model.py
+model=smollm2
+args=()
+while [ $# -gt 0 ]; do
+  case $1 in
+    --model) model=$2; shift 2 ;;
+    --model=*) model=${1#*=}; shift ;;
+    *) args+=("$1"); shift ;;
+  esac
+done
+folders=$(scripts/model-folders.sh "$model")
+read -r decoder_model prefill_model prefill_dtype <<<"$folders"
 cargo build --workspace --bins --locked --release
 
 run=var/bench
@@ -43,11 +54,11 @@ cleanup() {
 trap cleanup EXIT INT TERM
 
 # A fresh store, sockets and bundle cache of its own: no earlier run can help.
-PDB_STORE__DIR="$run/store" PDB_ENGINE__SOCKET="$run/engine.sock" \
+PDB_STORE__DIR="$run/store" PDB_ENGINE__SOCKET="$run/engine.sock" PDB_ENGINE__MODEL="$decoder_model" \
   setsid ./target/release/decoded --config deploy/examples/decoded.toml >"$run/decoded.log" 2>&1 &
 pids+=($!)
 PDB_ENGINE__PLUGIN_SOCKET="$run/plugin.sock" PDB_ENGINE__BUNDLE_DIR="$run/bundles" \
-  setsid ./target/release/prefilld --config deploy/examples/prefilld.toml >"$run/prefilld.log" 2>&1 &
+  PDB_ENGINE__MODEL="$prefill_model" PDB_ENGINE__DTYPE="$prefill_dtype" setsid ./target/release/prefilld --config deploy/examples/prefilld.toml >"$run/prefilld.log" 2>&1 &
 pids+=($!)
 
 wait_ready() {
@@ -63,4 +74,4 @@ wait_ready() {
 wait_ready decoded 9470 0
 wait_ready prefilld 9471 1
 
-.venv/bin/python bench/bridge.py --url http://127.0.0.1:8080 --decoded-log "$run/decoded.log" "$@"
+.venv/bin/python bench/bridge.py --url http://127.0.0.1:8080 --decoded-log "$run/decoded.log" ${args[@]+"${args[@]}"}

@@ -6,11 +6,23 @@
 # fresh store, sends one long prompt (this repository's LICENSE, ~2,400
 # tokens, and a question) through decoded's front door bridged, then forced
 # native, prints both answers, and ends with one JSON line of results.
+#
+#   scripts/demo.sh [--model smollm2|llama3|qwen3|…]   (default: the embedded SmolLM2;
+#   other names are generated families, see scripts/make-tiny-model.py)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 scripts/setup-engines.sh
-.venv/bin/python scripts/prepare-model.py
+model=smollm2
+while [ $# -gt 0 ]; do
+  case $1 in
+    --model) model=$2; shift 2 ;;
+    --model=*) model=${1#*=}; shift ;;
+    *) echo "usage: scripts/demo.sh [--model NAME]" >&2; exit 2 ;;
+  esac
+done
+folders=$(scripts/model-folders.sh "$model")
+read -r decoder_model prefill_model prefill_dtype <<<"$folders"
 cargo build --workspace --bins --locked --release
 
 run=var/demo
@@ -24,14 +36,14 @@ cleanup() {
 trap cleanup EXIT
 
 # A fresh store and sockets of its own, so earlier runs cannot help the demo.
-export PDB_STORE__DIR="$run/store" PDB_ENGINE__SOCKET="$run/engine.sock"
+export PDB_STORE__DIR="$run/store" PDB_ENGINE__SOCKET="$run/engine.sock" PDB_ENGINE__MODEL="$decoder_model"
 ./target/release/decoded --config deploy/examples/decoded.toml >"$run/decoded.log" 2>&1 &
 pids+=($!)
-unset PDB_STORE__DIR PDB_ENGINE__SOCKET
-export PDB_ENGINE__PLUGIN_SOCKET="$run/plugin.sock"
+unset PDB_STORE__DIR PDB_ENGINE__SOCKET PDB_ENGINE__MODEL
+export PDB_ENGINE__PLUGIN_SOCKET="$run/plugin.sock" PDB_ENGINE__MODEL="$prefill_model" PDB_ENGINE__DTYPE="$prefill_dtype"
 ./target/release/prefilld --config deploy/examples/prefilld.toml >"$run/prefilld.log" 2>&1 &
 pids+=($!)
-unset PDB_ENGINE__PLUGIN_SOCKET
+unset PDB_ENGINE__PLUGIN_SOCKET PDB_ENGINE__MODEL PDB_ENGINE__DTYPE
 
 wait_ready() {
   local name=$1 admin=$2 deadline=$((SECONDS + 900))
