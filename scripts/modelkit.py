@@ -24,7 +24,8 @@ def dequantized(weights: dict, group_size: int) -> dict:
         base, _, suffix = name.rpartition(".")
         if suffix in ("scales", "biases"):
             continue
-        if f"{base}.scales" in weights:
+        # Only `.weight` is packed: a quantized linear's own `.bias` (gpt-oss) stays as it is.
+        if suffix == "weight" and f"{base}.scales" in weights:
             scales = weights[f"{base}.scales"]
             # Bits per module as mlx-lm infers them: the Q8_0 embedding is 8-bit, the linears 4-bit.
             bits = a.shape[-1] * 32 // (scales.shape[-1] * group_size)
@@ -33,21 +34,25 @@ def dequantized(weights: dict, group_size: int) -> dict:
     return out
 
 
-def build_hf(folder: Path, mlx_folder: Path) -> None:
+def build_hf(folder: Path, mlx_folder: Path, relayout=None) -> None:
+    """`relayout` maps the dequantized tensors from mlx-lm's names and layout to the HF checkpoint's
+    (e.g. stacked experts back to per-expert tensors); only indexing, so still bit-exact."""
     # Read the decoder folder rather than the GGUF: the prefill weights are by definition the
     # decoder's tensors, dequantized exactly as MLX would (w = scale*q + bias in fp32).
     mlx_config = json.loads((mlx_folder / "config.json").read_text())
     group_size = mlx_config["quantization"]["group_size"]
+    relayout = relayout or (lambda weights: weights)
     mx.save_safetensors(
         str(folder / "model.safetensors"),
-        dequantized(mx.load(str(mlx_folder / "model.safetensors")), group_size),
+        relayout(dequantized(mx.load(str(mlx_folder / "model.safetensors")), group_size)),
         metadata={"format": "pt"},
     )
-    verify_dequantized(folder, mlx_folder, group_size)
+    verify_dequantized(folder, mlx_folder, group_size, relayout)
 
     mlx_only = ("quantization", "quantization_config", "rope_traditional")
     config = {k: v for k, v in mlx_config.items() if k not in mlx_only}
-    config["hidden_act"] = "silu"  # mlx-lm's llama hard-codes SiLU; HF and vLLM read it here
+    # mlx-lm's llama hard-codes SiLU; HF and vLLM read it here (a family that differs names its own).
+    config.setdefault("hidden_act", "silu")
     write_json(folder / "config.json", config)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
         shutil.copy2(mlx_folder / name, folder / name)
@@ -56,10 +61,10 @@ def build_hf(folder: Path, mlx_folder: Path) -> None:
     (folder / "chat_template.jinja").write_text(template)
 
 
-def verify_dequantized(hf_folder: Path, mlx_folder: Path, group_size: int) -> None:
+def verify_dequantized(hf_folder: Path, mlx_folder: Path, group_size: int, relayout) -> None:
     """Re-reads both files and requires bit equality (uint32 views), so no NaN or -0.0 slips by."""
     written = mx.load(str(hf_folder / "model.safetensors"))
-    expected = dequantized(mx.load(str(mlx_folder / "model.safetensors")), group_size)
+    expected = relayout(dequantized(mx.load(str(mlx_folder / "model.safetensors")), group_size))
     if written.keys() != expected.keys():
         raise RuntimeError(f"HF tensor names differ: {sorted(written.keys() ^ expected.keys())}")
     for name, a in expected.items():
