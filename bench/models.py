@@ -69,6 +69,12 @@ ROWS = [
     Row("llama3", "tiny-llama3", "bfloat16", "affine 4-bit"),
     Row("qwen3", "tiny-qwen3", "float32", "affine 8-bit"),
     Row("qwen3", "tiny-qwen3", "bfloat16", "affine 8-bit"),
+    Row("gemma3", "tiny-gemma3", "float32", "affine 4-bit"),
+    Row("gemma3", "tiny-gemma3", "bfloat16", "affine 4-bit"),
+    # MLX on CPU runs MoE expert layers in fp32 only: no bf16 rows for the MoE families here.
+    Row("gpt_oss", "tiny-gpt_oss", "float32", "affine 8-bit (experts too)"),
+    # vLLM-CPU's MLA attention runs bf16 only: the prefill side is bf16, the decoder fp32.
+    Row("deepseek_v3", "tiny-deepseek_v3", "float32", "affine 4-bit", prefill_dtype="bfloat16"),
     Row("llama3_kv4", "tiny-llama3", "float32", "affine 4-bit", kv_bits=4, kv_group_size=32),
     Row("llama3_kv8", "tiny-llama3", "bfloat16", "affine 4-bit", kv_bits=8, kv_group_size=64),
 ]

@@ -182,6 +182,8 @@ FAMILIES = {
         "tie_word_embeddings": False,
         "attention_bias": False,
         "weights": {"bits": 4, "group_size": 64, "lm_head_scale": 4.0},
+        # vLLM-CPU's MLA attention refuses fp32: the prefill folder says bf16 (scripts/model-folders.sh).
+        "prefill_dtype": "bfloat16",
     },
     "gpt_oss": {
         "architectures": ["GptOssForCausalLM"],
@@ -408,6 +410,7 @@ def build_mlx(folder: Path, family: str, tokenizer_dir: Path) -> None:
     generation = json.loads((folder / "generation_config.json").read_text())
     config = dict(FAMILIES[family])
     spec = DEFAULT_WEIGHTS | config.pop("weights", {})
+    config.pop("prefill_dtype", None)
     config = {
         **config,
         "vocab_size": len(json.loads((folder / "tokenizer.json").read_text())["model"]["vocab"]),
@@ -445,7 +448,8 @@ def main() -> None:
     to_hf = TO_HF.get(FAMILIES[args.family]["model_type"])
     config = json.loads((mlx_folder / "config.json").read_text())
     relayout = to_hf and (lambda weights: to_hf(weights, config))
-    ensure(hf_folder, stamp, lambda tmp: build_hf(tmp, mlx_folder, relayout))
+    prefill_dtype = FAMILIES[args.family].get("prefill_dtype", "float32")
+    ensure(hf_folder, stamp, lambda tmp: build_hf(tmp, mlx_folder, relayout, prefill_dtype))
 
 
 if __name__ == "__main__":

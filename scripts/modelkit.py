@@ -34,9 +34,10 @@ def dequantized(weights: dict, group_size: int) -> dict:
     return out
 
 
-def build_hf(folder: Path, mlx_folder: Path, relayout=None) -> None:
+def build_hf(folder: Path, mlx_folder: Path, relayout=None, torch_dtype: str = "float32") -> None:
     """`relayout` maps the dequantized tensors from mlx-lm's names and layout to the HF checkpoint's
-    (e.g. stacked experts back to per-expert tensors); only indexing, so still bit-exact."""
+    (e.g. stacked experts back to per-expert tensors); only indexing, so still bit-exact.
+    `torch_dtype`: what the config tells the prefill engine to run (the tensors stay fp32)."""
     # Read the decoder folder rather than the GGUF: the prefill weights are by definition the
     # decoder's tensors, dequantized exactly as MLX would (w = scale*q + bias in fp32).
     mlx_config = json.loads((mlx_folder / "config.json").read_text())
@@ -53,6 +54,7 @@ def build_hf(folder: Path, mlx_folder: Path, relayout=None) -> None:
     config = {k: v for k, v in mlx_config.items() if k not in mlx_only}
     # mlx-lm's llama hard-codes SiLU; HF and vLLM read it here (a family that differs names its own).
     config.setdefault("hidden_act", "silu")
+    config["torch_dtype"] = torch_dtype
     write_json(folder / "config.json", config)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
         shutil.copy2(mlx_folder / name, folder / name)

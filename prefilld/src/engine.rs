@@ -97,14 +97,18 @@ impl HfRope {
             .or_else(|| config.get("rope_theta"))
             .and_then(|v| v.as_f64())
             .unwrap_or(10_000.0);
-        let scaling = params
+        let mut scaling: BTreeMap<String, f64> = params
             .and_then(|p| p.as_object())
             .into_iter()
             .flatten()
             .filter(|(k, _)| k.as_str() != "rope_theta")
-            .filter_map(|(k, v)| Some((k.clone(), v.as_f64()?)))
+            .filter_map(|(k, v)| Some((k.clone(), v.as_f64().or_else(|| v.as_bool().map(f64::from))?)))
             .collect();
         let kind = text("rope_type").or_else(|| text("type")).unwrap_or("default").to_owned();
+        if kind == "yarn" {
+            // HF's YaRN rounds the correction range unless told not to.
+            scaling.entry("truncate".into()).or_insert(1.0);
+        }
         HfRope { kind, theta, scaling }
     }
 }
@@ -328,6 +332,13 @@ mod tests {
         let v5 = json!({"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}});
         assert_eq!(kinds_and_thetas(v5, 1), [("default".to_owned(), 1e6)]);
         assert_eq!(kinds_and_thetas(json!({}), 1), [("default".to_owned(), 1e4)]);
+        // YaRN's `truncate` (a boolean, true when absent) is part of the model.
+        let yarn = |extra: serde_json::Value| {
+            let mut params = json!({"rope_type": "yarn", "factor": 32.0});
+            params.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+            HfRope::per_layer(&json!({"rope_scaling": params}), 1).remove(0).scaling["truncate"]
+        };
+        assert_eq!((yarn(json!({})), yarn(json!({"truncate": false}))), (1.0, 0.0));
     }
 
     #[test]

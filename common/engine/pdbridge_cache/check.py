@@ -21,35 +21,34 @@ from .layers import CachePath
 
 
 class _RecordInput:
-    """Stands in for one decoder block and records its input (the residual stream)."""
+    """Stands in for a decoder block's input norm and records what it is given: the residual
+    stream entering the block, the input of the block's cache path. (The norm, not the block: some
+    models hand out a fresh list of their blocks, so the blocks themselves cannot be swapped.)"""
 
-    def __init__(self, block: Any, sink: list):
-        self._block, self._sink = block, sink
+    def __init__(self, norm: Any, sink: list):
+        self.norm, self.sink = norm, sink
 
-    def __call__(self, x, *args, **kwargs):
-        self._sink.append(x)
-        return self._block(x, *args, **kwargs)
-
-    def __getattr__(self, name):  # models read attributes of their blocks (e.g. use_sliding)
-        return getattr(self._block, name)
+    def __call__(self, x):
+        self.sink.append(x)
+        return self.norm(x)
 
 
 def native_prefill(model: Any, tokens: list[int], prefill_step_size: int, kv_args: dict) -> tuple[list, list]:
     """The decoder's caches after prefilling `tokens` as a native generation does, and each
     layer's input for the tokens it processed: ([cache per layer], [mx [T, hidden] per layer])."""
-    layers = model.layers
-    inputs: list[list] = [[] for _ in layers]
-    originals = list(layers)
+    blocks = list(model.layers)
+    inputs: list[list] = [[] for _ in blocks]
+    norms = [block.input_layernorm for block in blocks]
     try:
-        for i, block in enumerate(originals):
-            layers[i] = _RecordInput(block, inputs[i])
+        for block, norm, sink in zip(blocks, norms, inputs):
+            block.input_layernorm = _RecordInput(norm, sink)
         cache = make_prompt_cache(model)
         for _ in generate_step(mx.array(tokens), model, prompt_cache=cache, max_tokens=0,
                                prefill_step_size=prefill_step_size, **kv_args):
             pass
     finally:
-        for i, block in enumerate(originals):
-            layers[i] = block
+        for block, norm in zip(blocks, norms):
+            block.input_layernorm = norm
     hidden = [mx.concatenate(x, axis=1)[0] for x in inputs]
     mx.eval(hidden, [c.state for c in cache])
     return cache, hidden

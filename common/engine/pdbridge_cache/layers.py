@@ -70,10 +70,16 @@ def versions() -> dict[str, str]:
     return {"mlx": mx.__version__, "mlx_lm": mlx_lm.__version__}
 
 
-def effective_rope(attention: Any, theta: float) -> dict | None:
+# What an mlx-lm RoPE module does whatever its config says, in HF rope-parameter terms: its YaRN
+# always rounds the correction range (HF `truncate: true`); a config asking otherwise is ignored.
+_ROPE_FIXED = {"YarnRoPE": {"truncate": 1.0}}
+
+
+def effective_rope(attention: Any, theta: float, scaling: dict | None) -> dict | None:
     """The rotary embedding the attention module really applies, read from the instantiated
     module, not from the config (mlx-lm ignores config keys it does not know). `theta`: the base the
-    model was built with, for modules that keep only their derived frequencies."""
+    model was built with, for modules that keep only their derived frequencies; `scaling`: the
+    rope-scaling parameters the model was built with (numbers only, booleans as 0/1)."""
     rope = getattr(attention, "rope", None)
     if rope is None:
         return None
@@ -81,8 +87,12 @@ def effective_rope(attention: Any, theta: float) -> dict | None:
     scale = float(getattr(rope, "scale", 1.0))
     kind = _ROPE_KIND.get(name) or ("default" if scale == 1.0 else "linear")
     base = getattr(rope, "base", None) or theta
-    return {"kind": kind, "module": name, "base": float(base),
+    spec = {"kind": kind, "module": name, "base": float(base),
             "traditional": bool(getattr(rope, "traditional", False)), "dims": int(getattr(rope, "dims", 0))}
+    if kind != "default":
+        numbers = {k: float(v) for k, v in (scaling or {}).items() if isinstance(v, (int, float))}
+        spec["scaling"] = dict(sorted((numbers | _ROPE_FIXED.get(name, {})).items()))
+    return spec
 
 
 class CachePath:

@@ -138,16 +138,10 @@ class Engine:
         layers = [kinds.describe(i, c) for i, c in enumerate(caches)]
         args = getattr(self.model, "args", None)
         theta = float(getattr(args, "rope_theta", 0.0) or self.config.get("rope_theta") or 10000.0)
+        scaling = getattr(args, "rope_scaling", None)
         for spec, layer in zip(layers, self.layers):
-            rope = effective_rope(getattr(layer, "self_attn", None), theta)
+            rope = effective_rope(getattr(layer, "self_attn", None), theta, scaling if isinstance(scaling, dict) else None)
             if rope is not None:
-                # The scaling mlx-lm's module was built with (vLLM's config must say the same).
-                scaling = getattr(args, "rope_scaling", None)
-                if rope["kind"] != "default" and isinstance(scaling, dict):
-                    rope["scaling"] = {
-                        k: float(v) for k, v in sorted(scaling.items())
-                        if isinstance(v, (int, float)) and not isinstance(v, bool)
-                    }
                 spec["rope"] = rope
         return layers
 

@@ -1,24 +1,92 @@
-"""The capture hooks for model classes vLLM does not give them, registered as a vLLM general plugin.
+"""Capture hooks for model classes whose own do not give the bridge what it needs.
 
 The bridge reads the residual stream entering every layer through vLLM's ``extract_hidden_states``
-method, which uses the EAGLE-3 interface (`SupportsEagle3`); only some model classes implement it.
-Gemma 3 does not ("Model does not support EAGLE3 interface but aux_hidden_state_outputs was
-requested"). `register` (entry point group ``vllm.general_plugins``, installed with the engines by
-``scripts/setup-engines.sh``) registers, through vLLM's public ``ModelRegistry``, a subclass that
-implements it as Llama does. The classes live in their own modules, imported only when vLLM
-builds such a model.
+method, which uses the EAGLE-3 interface (`SupportsEagle3`). Some classes lack it (Gemma 3: "Model
+does not support EAGLE3 interface but aux_hidden_state_outputs was requested"); some have it but
+fail on layer 0 (DeepSeek-V2/V3 add a residual that is still None there). `register` (a vLLM general
+plugin, entry point group ``vllm.general_plugins``, installed with the engines by
+``scripts/setup-engines.sh``) registers, through vLLM's public ``ModelRegistry``, a subclass of each
+that records the states itself, as Llama defines them: for layer i, ``hidden_states + residual`` as
+layer i receives them (the input of its ``input_layernorm``). Forward pre-hooks on the chosen layers
+record them; the model's own forward runs unchanged with its own capture switched off, and returns
+``(hidden_states, states)`` as Llama's does. Without pipeline parallelism only (the bridge runs so).
+
+The subclasses are built on first use (vLLM imports ``pdbridge_vllm.models:<class>`` only when it
+builds such a model), so registering costs no model import.
 """
 
 from __future__ import annotations
 
-# Architecture name → "module:class" of the subclass with the capture hooks.
-AUX_HIDDEN_STATE_MODELS = {
-    "Gemma3ForCausalLM": "pdbridge_vllm.gemma3:Gemma3ForCausalLM",
+import importlib
+from typing import Any
+
+# Architecture → the vLLM module defining it.
+HOOKED = {
+    "Gemma3ForCausalLM": "vllm.model_executor.models.gemma3",
+    "DeepseekV3ForCausalLM": "vllm.model_executor.models.deepseek_v2",
 }
 
 
 def register() -> None:
     from vllm import ModelRegistry
 
-    for architecture, target in AUX_HIDDEN_STATE_MODELS.items():
-        ModelRegistry.register_model(architecture, target)
+    for architecture in HOOKED:
+        ModelRegistry.register_model(architecture, f"{__name__}:{architecture}")
+
+
+class _RecordsLayerInputs:
+    """Mixed into a model's inner module (the one holding ``layers``) by a class swap."""
+
+    _hooked_layers: tuple[int, ...] = ()
+    _sink: list | None = None
+
+    def record_layer_inputs(self, layers: tuple[int, ...]) -> None:
+        layers = tuple(sorted(set(layers)))
+        beyond = [i for i in layers if not self.start_layer <= i < self.end_layer]
+        if beyond:
+            raise ValueError(f"layer inputs {beyond} are outside this model's layers "
+                             f"[{self.start_layer}, {self.end_layer})")
+        for i in layers:
+            if i not in self._hooked_layers:
+                self.layers[i].register_forward_pre_hook(self._record)
+        self._hooked_layers = layers
+        self.aux_hidden_state_layers = ()  # the model's own capture stays off
+
+    def _record(self, _layer: Any, args: tuple) -> None:
+        if self._sink is not None:
+            _positions, hidden_states, residual = args[:3]
+            self._sink.append(hidden_states if residual is None else hidden_states + residual)
+
+    def forward(self, *args, **kwargs):
+        if not self._hooked_layers:
+            return super().forward(*args, **kwargs)
+        self._sink = []
+        try:
+            return super().forward(*args, **kwargs), self._sink
+        finally:
+            self._sink = None
+
+
+def _with_recorded_inputs(base: type) -> type:
+    from vllm.model_executor.models.interfaces import SupportsEagle3
+
+    class Hooked(base, SupportsEagle3):
+        def __init__(self, *, vllm_config, prefix: str = ""):
+            super().__init__(vllm_config=vllm_config, prefix=prefix)
+            inner = type(self.model)
+            # Same module, same weights and state: only methods are added.
+            self.model.__class__ = type(f"{inner.__name__}RecordingInputs", (_RecordsLayerInputs, inner), {})
+
+        def set_aux_hidden_state_layers(self, layers: tuple[int, ...]) -> None:
+            self.model.record_layer_inputs(layers)
+
+    Hooked.__name__ = Hooked.__qualname__ = base.__name__
+    return Hooked
+
+
+def __getattr__(name: str) -> type:
+    if name not in HOOKED:
+        raise AttributeError(name)
+    cls = _with_recorded_inputs(getattr(importlib.import_module(HOOKED[name]), name))
+    globals()[name] = cls
+    return cls
