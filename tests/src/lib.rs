@@ -296,6 +296,8 @@ pub struct Engines {
     pub prefill_model: PathBuf,
     pub adapter_dir: PathBuf,
     pub plugin_dir: PathBuf,
+    /// What vLLM computes in (the prefill folder's `torch_dtype`).
+    pub prefill_dtype: String,
 }
 
 impl Engines {
@@ -307,6 +309,7 @@ impl Engines {
             prefill_model: root.join("models/smollm2-hf"),
             adapter_dir: root.join("decoded/engine"),
             plugin_dir: root.join("prefilld/engine"),
+            prefill_dtype: "float32".into(),
         };
         for path in [&engines.python, &engines.decoder_model, &engines.prefill_model] {
             assert!(
@@ -329,7 +332,10 @@ impl Engines {
         for path in [&engines.decoder_model, &engines.prefill_model] {
             assert!(path.exists(), "{} is missing: run scripts/test.sh (it generates the checkpoints)", path.display());
         }
-        engines
+        let config: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(engines.prefill_model.join("config.json")).unwrap()).unwrap();
+        let prefill_dtype = config["torch_dtype"].as_str().unwrap_or("float32").to_owned();
+        Engines { prefill_dtype, ..engines }
     }
 
     /// decoded with its real engine; `extra` is appended (e.g. a `[front]` section).
@@ -349,13 +355,14 @@ impl Engines {
     /// prefilld with real vLLM and no default decoder (requests name theirs).
     pub fn prefilld_config(&self, var_dir: &Path) -> String {
         format!(
-            "{server}[engine]\npython = {python:?}\nplugin_dir = {plugin:?}\nmodel = {model:?}\ndtype = \"float32\"\n\
+            "{server}[engine]\npython = {python:?}\nplugin_dir = {plugin:?}\nmodel = {model:?}\ndtype = {dtype:?}\n\
              max_model_len = 4096\nplugin_socket = {socket:?}\nbundle_dir = {bundles:?}\n\
              [engine.env]\nVLLM_CPU_KVCACHE_SPACE = \"2\"\nVLLM_CPU_NUM_OF_RESERVED_CPU = \"1\"\n",
             server = loopback_config("prefilld", "5s"),
             python = self.python,
             plugin = self.plugin_dir,
             model = self.prefill_model,
+            dtype = self.prefill_dtype,
             socket = var_dir.join("plugin.sock"),
             bundles = var_dir.join("bundles"),
         )

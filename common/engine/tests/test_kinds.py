@@ -1,7 +1,7 @@
-"""The cache codec on the real mlx-lm (MLX only, no vLLM, no daemons): for each cache kind and dtype
-the decoder runs, the cache path rebuilt from the decoder's bundle reproduces the decoder's own
-cache bit for bit from the decoder's own layer inputs, and a cache restored from the decoder's rows
-generates exactly what the decoder generates natively."""
+"""The cache codec on the real mlx-lm (MLX only, no vLLM, no daemons): for each cache kind, dtype
+and model family the decoder runs, the cache path rebuilt from the decoder's bundle reproduces the
+decoder's own cache bit for bit from the decoder's own layer inputs, and a cache restored from
+reconstructed rows generates exactly what the decoder generates natively."""
 
 from __future__ import annotations
 
@@ -19,10 +19,11 @@ from mlx_lm.models.cache import ArraysCache, make_prompt_cache  # noqa: E402
 
 from pdbridge_cache import kinds  # noqa: E402
 from pdbridge_cache.check import native_prefill, same_input  # noqa: E402
-from pdbridge_cache.layers import CachePath  # noqa: E402
+from pdbridge_cache.layers import CachePath, effective_rope  # noqa: E402
 from pdbridge_mlx.engine import Engine  # noqa: E402
 
-MODEL = REPO / "models" / "tiny-llama3-mlx"
+MODELS = REPO / "models"
+MODEL = MODELS / "tiny-llama3-mlx"
 BLOCK = 64
 STEP = 96  # native prefill chunks that do not line up with blocks
 
@@ -44,8 +45,8 @@ class CacheKindsTest(unittest.TestCase):
     def tearDownClass(cls):
         cls.tmp.cleanup()
 
-    def engine(self, dtype, kv_bits=None, kv_group_size=64) -> Engine:
-        return Engine(str(MODEL), block_tokens=BLOCK, dtype=dtype, bundle_dir=self.tmp.name,
+    def engine(self, dtype, kv_bits=None, kv_group_size=64, model: Path = MODEL) -> Engine:
+        return Engine(str(model), block_tokens=BLOCK, dtype=dtype, bundle_dir=self.tmp.name,
                       kv_bits=kv_bits, kv_group_size=kv_group_size)
 
     def test_reconstruction_from_the_bundle_is_the_decoders_cache(self):
@@ -78,6 +79,61 @@ class CacheKindsTest(unittest.TestCase):
 
                 # Native: the model's plain caches, quantized by generate_step as it goes.
                 self.assertEqual(greedy(restored, self.tokens[n:]), greedy(make_prompt_cache(engine.model), self.tokens))
+
+    def test_other_families_sliding_windows_and_latent_caches(self):
+        """Gemma 3 (RotatingKVCache sliding layers, q/k norms), DeepSeek-V3 (MLA: a latent and a
+        rope key of other widths) and gpt-oss (sliding layers, k/v biases, sinks that are not
+        cached): exact reconstruction, only the cache path's parameters in the bundle, and a cache
+        restored at a block boundary from reconstructed rows generates as the decoder does."""
+        cases = {
+            "gemma3": ({"RotatingKVCache", "KVCache"}, {"input_layernorm", "k_proj", "v_proj", "k_norm"}),
+            "deepseek_v3": ({"KVCache"}, {"input_layernorm", "kv_a_proj_with_mqa", "kv_a_layernorm"}),
+            "gpt_oss": ({"RotatingKVCache", "KVCache"}, {"input_layernorm", "k_proj", "v_proj"}),
+        }
+        for family, (classes, params) in cases.items():
+            with self.subTest(family=family):
+                engine = self.engine(mx.float32, model=MODELS / f"tiny-{family}-mlx")
+                self.assertEqual({l["cache_class"] for l in engine.spec["layers"]}, classes)
+                shipped = {name.split(".")[-2] for name in mx.load(str(engine.bundle_path))}
+                self.assertEqual(shipped, params)
+                path = CachePath.from_bundle(str(engine.bundle_path))
+                result = same_input(engine.model, path, self.tokens, BLOCK, STEP, engine.kv_args)
+                self.assertGreater(result.tensors_total, 0)
+                self.assertEqual(result.tensors_exact, result.tensors_total, result)
+
+                n = 3 * BLOCK
+                _, hidden = native_prefill(engine.model, self.tokens[:n], STEP, engine.kv_args)
+                rows: list[dict[str, list]] = [{} for _ in hidden]
+                for b in range(n // BLOCK):
+                    block = mx.stack([h[b * BLOCK:(b + 1) * BLOCK] for h in hidden], axis=1)
+                    for layer, name, array in path.block(block, b * BLOCK):
+                        rows[layer].setdefault(name, []).append(array)
+                joined = [{k: mx.concatenate(v, axis=kinds.TOKEN_AXIS) for k, v in r.items()} for r in rows]
+                restored = kinds.restore(engine.templates, joined, n)
+
+                def greedy(cache, tokens):
+                    steps = generate_step(mx.array(tokens), engine.model, prompt_cache=cache, max_tokens=12,
+                                          prefill_step_size=STEP)
+                    return [int(t) for t, _ in steps]
+
+                self.assertEqual(greedy(restored, self.tokens[n:]), greedy(make_prompt_cache(engine.model), self.tokens))
+
+    def test_the_spec_names_the_rope_the_module_applies_not_the_config(self):
+        """mlx-lm's llama reads `rope_scaling` and ignores transformers 5's `rope_parameters`: the
+        spec must then say `default`, so prefilld (whose vLLM applies the scaling) refuses."""
+        from mlx_lm.models import llama
+
+        scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                   "original_max_position_embeddings": 1024}
+        base = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 1, "intermediate_size": 128,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "vocab_size": 32,
+                "rope_theta": 5e5, "max_position_embeddings": 8192}
+        for config, kind in [({"rope_scaling": scaling}, "llama3"),
+                             ({"rope_parameters": {**scaling, "rope_theta": 5e5}}, "default")]:
+            args = llama.ModelArgs.from_dict({**base, **config})
+            model = llama.Model(args)
+            rope = effective_rope(model.layers[0].self_attn, args.rope_theta, args.rope_scaling)
+            self.assertEqual((rope["kind"], rope["base"]), (kind, 5e5), config)
 
     def test_a_cache_without_a_codec_is_described_as_unsupported(self):
         cache = ArraysCache(2)

@@ -1,6 +1,8 @@
 //! Model families other than the test model, end to end on the real engines: the decoder's own
-//! mlx-lm modules reconstruct caches with rope scaling, q/k norms, 8-bit weights and a quantized
-//! KV cache, and a cache class without a codec is refused at the handshake with its reason.
+//! mlx-lm modules reconstruct caches with rope scaling, q/k norms, 8-bit weights, a quantized KV
+//! cache, sliding windows (Gemma 3, whose vLLM class gets its capture hooks from the plugin) and
+//! a latent cache (DeepSeek-V3 MLA, vLLM in bf16), and a cache class without a codec is refused at
+//! the handshake with its reason.
 
 use std::time::Duration;
 
@@ -52,6 +54,14 @@ async fn generated_families_bridge_as_their_decoder_answers() {
     let scratch = Scratch::new("families");
     // Llama 3.1 rope scaling, the decoder keeping a 4-bit quantized KV cache.
     let mut prefilld = bridges_as_the_decoder_answers("llama3", "kv_bits = 4\nkv_group_size = 32", &scratch).await;
+    prefilld.terminate();
+    prefilld.wait(Duration::from_secs(120)).await;
+    // Gemma 3: sliding-window layers (RotatingKVCache) beside a global one, (1+w) norms.
+    let mut prefilld = bridges_as_the_decoder_answers("gemma3", "", &scratch).await;
+    prefilld.terminate();
+    prefilld.wait(Duration::from_secs(120)).await;
+    // DeepSeek-V3: multi-head latent attention, MoE; vLLM in bf16, the decoder in fp32.
+    let mut prefilld = bridges_as_the_decoder_answers("deepseek_v3", "", &scratch).await;
     prefilld.terminate();
     prefilld.wait(Duration::from_secs(120)).await;
     // Qwen3's per-head q/k norms, 8-bit weights.
