@@ -13,17 +13,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 scripts/setup-engines.sh
-model=smollm2
-args=()
-while [ $# -gt 0 ]; do
-  case $1 in
-    --model) model=$2; shift 2 ;;
-    --model=*) model=${1#*=}; shift ;;
-    *) args+=("$1"); shift ;;
-  esac
-done
-folders=$(scripts/model-folders.sh "$model")
-read -r decoder_model prefill_model prefill_dtype <<<"$folders"
+source scripts/model-args.sh "$@"
 cargo build --workspace --bins --locked --release
 
 run=var/bench

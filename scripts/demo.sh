@@ -13,16 +13,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 scripts/setup-engines.sh
-model=smollm2
-while [ $# -gt 0 ]; do
-  case $1 in
-    --model) model=$2; shift 2 ;;
-    --model=*) model=${1#*=}; shift ;;
-    *) echo "usage: scripts/demo.sh [--model NAME]" >&2; exit 2 ;;
-  esac
-done
-folders=$(scripts/model-folders.sh "$model")
-read -r decoder_model prefill_model prefill_dtype <<<"$folders"
+source scripts/model-args.sh "$@"
+if [ ${#args[@]} -gt 0 ]; then echo "usage: scripts/demo.sh [--model NAME]" >&2; exit 2; fi
 cargo build --workspace --bins --locked --release
 
 run=var/demo

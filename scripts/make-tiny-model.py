@@ -50,15 +50,19 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 V1_WEIGHTS = {"bits": 4, "group_size": 32, "head_norms": [], "lm_head_scale": 0}
 # Later keys, not in the older families' entries (so not in their stamps).
 DEFAULT_WEIGHTS = V1_WEIGHTS | {"extra_norms": [], "norm": "norm", "embed_std": 1.0}
-LLAMA_LONG = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
+# The shape of the small dense families.
+SMALL = {
     "hidden_size": 256,
     "intermediate_size": 512,
     "num_hidden_layers": 2,
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
     "head_dim": 64,
+}
+LLAMA_LONG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    **SMALL,
     "rms_norm_eps": 1e-05,
     "rope_theta": 500000.0,
     "rope_traditional": False,
@@ -86,12 +90,7 @@ FAMILIES = {
     "qwen3": {
         "architectures": ["Qwen3ForCausalLM"],
         "model_type": "qwen3",
-        "hidden_size": 256,
-        "intermediate_size": 512,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 64,
+        **SMALL,
         "rms_norm_eps": 1e-06,
         "rope_theta": 1000000.0,
         "max_position_embeddings": 8192,
