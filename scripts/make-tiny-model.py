@@ -15,6 +15,7 @@ test model's (SmolLM2), so real text tokenizes as it does there. Families:
                  (128K + 4K, rope_theta 5e5): for bridging prompts of 16K-128K tokens.
     llama3       the same shape, 8,192 positions, with Llama 3.1 rope scaling (factor 8 over an original
                  1,024 positions, so 22 of the 32 rotary frequencies are scaled, not just the slowest).
+    llama3-dense llama3 with unquantized fp32 weights.
     qwen3        Qwen3-shaped (same sizes, per-head q/k RMSNorms, rope_theta 1e6), linears 8-bit group 64.
     gemma3       Gemma 3 text (Gemma3ForCausalLM), 4 layers: 0-2 sliding (window 64, rope base 1e4),
                  3 global (rope_theta 1e6); q/k norms, sandwich norms, query_pre_attn_scalar 128.
@@ -71,22 +72,24 @@ LLAMA_LONG = {
     "attention_bias": False,
     "mlp_bias": False,
 }
+LLAMA3 = LLAMA_LONG | {
+    "max_position_embeddings": 8192,
+    "tie_word_embeddings": False,
+    "weights": {"lm_head_scale": 4.0},
+    # transformers 5 (which vLLM 0.32 uses) converts this into rope_parameters; mlx-lm reads it as is.
+    "rope_scaling": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 1024,
+    },
+}
 FAMILIES = {
     "llama-long": LLAMA_LONG,
-    "llama3": LLAMA_LONG
-    | {
-        "max_position_embeddings": 8192,
-        "tie_word_embeddings": False,
-        "weights": {"lm_head_scale": 4.0},
-        # transformers 5 (which vLLM 0.32 uses) converts this into rope_parameters; mlx-lm reads it as is.
-        "rope_scaling": {
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 1024,
-        },
-    },
+    "llama3": LLAMA3,
+    # Unquantized fp32 weights: the project also covers a decoder without quantization.
+    "llama3-dense": LLAMA3 | {"weights": {"bits": 0, "lm_head_scale": 4.0}},
     "qwen3": {
         "architectures": ["Qwen3ForCausalLM"],
         "model_type": "qwen3",
@@ -390,10 +393,11 @@ def random_weights(config: dict, spec: dict, rng: np.random.Generator) -> dict[s
 
 def quantized(weights: dict[str, tuple[str, np.ndarray]], bits: int, group_size: int) -> dict[str, mx.array]:
     """The decoder's tensors: every projection (2-D, or 3-D per head / per expert) affine-quantized
-    along its last axis; the embedding, head, norms, biases and DeepSeek's router fp32."""
+    along its last axis (unless `bits` is 0); the embedding, head, norms, biases and DeepSeek's
+    router fp32."""
     out = {}
     for name, (kind, w) in weights.items():
-        if kind in ("linear", "linear_t"):
+        if bits and kind in ("linear", "linear_t"):
             wq, scales, biases = mx.quantize(mx.array(w), group_size=group_size, bits=bits)
             base = name.removesuffix(".weight")
             out |= {name: wq, f"{base}.scales": scales, f"{base}.biases": biases}
@@ -415,9 +419,10 @@ def build_mlx(folder: Path, family: str, tokenizer_dir: Path) -> None:
         "vocab_size": len(json.loads((folder / "tokenizer.json").read_text())["model"]["vocab"]),
         **generation,
         "torch_dtype": "float32",
-        "quantization": {"group_size": spec["group_size"], "bits": spec["bits"], "mode": "affine"},
     }
-    config["quantization_config"] = config["quantization"]
+    if spec["bits"]:
+        config["quantization"] = {"group_size": spec["group_size"], "bits": spec["bits"], "mode": "affine"}
+        config["quantization_config"] = config["quantization"]
     tokenizer_config["model_max_length"] = config["max_position_embeddings"]
     write_json(folder / "tokenizer_config.json", tokenizer_config)
     rng = np.random.default_rng(SEED)

@@ -41,7 +41,7 @@ def build_hf(folder: Path, mlx_folder: Path, relayout=None, torch_dtype: str = "
     # Read the decoder folder rather than the GGUF: the prefill weights are by definition the
     # decoder's tensors, dequantized exactly as MLX would (w = scale*q + bias in fp32).
     mlx_config = json.loads((mlx_folder / "config.json").read_text())
-    group_size = mlx_config["quantization"]["group_size"]
+    group_size = mlx_config.get("quantization", {}).get("group_size", 0)  # 0: nothing is quantized
     relayout = relayout or (lambda weights: weights)
     mx.save_safetensors(
         str(folder / "model.safetensors"),
