@@ -171,6 +171,9 @@ struct Verdict {
     outcome: &'static str,
     #[serde(skip_serializing_if = "Option::is_none")]
     reason: Option<&'static str>,
+    /// What prefilld said when the bridge fell short (e.g. which layer of an unsupported model, and why).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    detail: Option<String>,
     prompt_tokens: u32,
     /// Prompt tokens restored from the store.
     cached_tokens: u32,
@@ -455,6 +458,7 @@ impl Front {
         let verdict = |outcome, reason, restored: usize| Verdict {
             outcome,
             reason,
+            detail: None,
             prompt_tokens: tokens.len() as u32,
             cached_tokens: (restored * b).min(tokens.len() - 1) as u32,
             blocks: 0,
@@ -534,6 +538,9 @@ impl Front {
             }
         }
         let mut plan = shared(plain(outcome, reason, now_cached));
+        if let Err(failure) = &bridged {
+            plan.verdict.detail = Some(header_safe(&failure.detail));
+        }
         plan.verdict.timings_ms.insert("bridge".into(), ms(started));
         match bridged {
             Ok(outcome) => {
@@ -641,6 +648,17 @@ fn reason_of(outcome_reason: &str) -> &'static str {
     }
 }
 
+/// `text` as it can travel in a header: printable ASCII, at most 400 characters.
+fn header_safe(text: &str) -> String {
+    const MAX: usize = 400;
+    let mut out: String = text.chars().map(|c| if c == ' ' || c.is_ascii_graphic() { c } else { '?' }).collect();
+    if out.len() > MAX {
+        out.truncate(MAX - 3);
+        out.push_str("...");
+    }
+    out
+}
+
 /// The engine must have restored exactly the tokens the verdict claims.
 fn check_restored(verdict: &Verdict, summary: &GenerateSummary) -> Result<(), FrontError> {
     if summary.cached_tokens != verdict.cached_tokens {
@@ -710,4 +728,31 @@ fn chunk_json(kind: Kind, id: &str, created: u64, model: &str, text: Option<&str
 
 fn ms(since: Instant) -> f64 {
     since.elapsed().as_secs_f64() * 1e3
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_verdict_detail_always_fits_in_a_header() {
+        let said = "unsupported_model: layer 1: ArraysCache: recurrent state → not rows\n";
+        let safe = header_safe(said);
+        assert_eq!(safe, "unsupported_model: layer 1: ArraysCache: recurrent state ? not rows?");
+        let long = header_safe(&"x".repeat(1000));
+        assert_eq!(long.len(), 400);
+        assert!(long.ends_with("..."));
+        let verdict = Verdict {
+            outcome: "native",
+            reason: Some("unsupported_model"),
+            detail: Some(safe),
+            prompt_tokens: 1,
+            cached_tokens: 0,
+            blocks: 0,
+            block_tokens: 16,
+            bytes: 0,
+            timings_ms: BTreeMap::new(),
+        };
+        assert!(HeaderValue::from_str(&serde_json::to_string(&verdict).unwrap()).is_ok());
+    }
 }

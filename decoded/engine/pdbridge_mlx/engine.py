@@ -17,7 +17,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import mlx.core as mx
 from mlx_lm import load, stream_generate
