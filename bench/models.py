@@ -64,7 +64,6 @@ class Row:
 
 ROWS = [
     Row("smollm2", "smollm2", "float32", "affine 4-bit (embedding 8-bit)", prompt_tokens=300),
-    Row("smollm2", "smollm2", "bfloat16", "affine 4-bit (embedding 8-bit)", prompt_tokens=300),
     Row("llama3", "tiny-llama3", "float32", "affine 4-bit"),
     Row("llama3", "tiny-llama3", "bfloat16", "affine 4-bit"),
     Row("llama3", "tiny-llama3-dense", "float32", "unquantized"),
@@ -310,6 +309,22 @@ whose rows are missing above.
     (ROOT / "MODELS.md").write_text(text)
 
 
+def write(out: Path, kept: dict, key) -> dict:
+    """models.json and MODELS.md from the rows measured so far, in ROWS order."""
+    order = {(r.family, r.model, r.cache_dtype, r.kv_bits or 0): i for i, r in enumerate(ROWS)}
+    rows = sorted(kept.values(), key=lambda r: order.get(key(r), len(order)))
+    results = {
+        "generated": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine_info(),
+        "wall_s": round(sum(r["wall_s"] for r in rows), 1),
+        "block_tokens": BLOCK_TOKENS,
+        "rows": rows,
+    }
+    out.write_text(json.dumps(results, indent=2) + "\n")
+    write_models_md(results)
+    return results
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", help="comma list of families to run (default: all); their rows replace the "
@@ -329,20 +344,11 @@ def main() -> int:
         log(f"row {row.family} ({row.model}, {row.cache_dtype}, kv_bits {row.kv_bits})")
         result = run_row(row, args, text)
         kept[key(result)] = result
-    order = {(r.family, r.model, r.cache_dtype, r.kv_bits or 0): i for i, r in enumerate(ROWS)}
-    rows = sorted(kept.values(), key=lambda r: order.get(key(r), len(order)))
-    results = {
-        "generated": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine_info(),
-        "wall_s": round(sum(r["wall_s"] for r in rows), 1),
-        "block_tokens": BLOCK_TOKENS,
-        "rows": rows,
-    }
-    out.write_text(json.dumps(results, indent=2) + "\n")
-    write_models_md(results)
-    log(f"wrote {out} and MODELS.md in {results['wall_s']:.0f} s")
-    print(support_table(rows))
-    return 0 if all(r["bridged"] and r["tensors_exact"] == r["tensors_total"] for r in rows) else 1
+        # After every row: a long run stopped halfway keeps what it measured.
+        results = write(out, kept, key)
+    log(f"wrote {out} and MODELS.md ({results['wall_s']:.0f} s of runs)")
+    print(support_table(results["rows"]))
+    return 0 if all(r["bridged"] and r["tensors_exact"] == r["tensors_total"] for r in results["rows"]) else 1
 
 
 if __name__ == "__main__":
