@@ -76,6 +76,7 @@ ROWS = [
     # vLLM-CPU's MLA attention runs bf16 only: the prefill side is bf16, the decoder fp32.
     Row("deepseek_v3", "tiny-deepseek_v3", "float32", "affine 4-bit", prefill_dtype="bfloat16"),
     Row("llama3_kv4", "tiny-llama3", "float32", "affine 4-bit", kv_bits=4, kv_group_size=32),
+    Row("llama3_kv8", "tiny-llama3", "float32", "affine 4-bit", kv_bits=8, kv_group_size=64),
     Row("llama3_kv8", "tiny-llama3", "bfloat16", "affine 4-bit", kv_bits=8, kv_group_size=64),
 ]
 

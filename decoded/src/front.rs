@@ -104,6 +104,8 @@ pub fn router(engine: Option<Engine>, store: Arc<Store>, config: FrontConfig, ad
 enum FrontError {
     #[error("{0}")]
     BadRequest(String),
+    #[error("the model `{0}` does not exist; this server serves `{1}`")]
+    ModelNotFound(String, String),
     #[error("decode engine is not ready")]
     EngineUnavailable,
     #[error("decode engine refused the request: {0}")]
@@ -139,14 +141,19 @@ impl IntoResponse for FrontError {
     fn into_response(self) -> Response {
         let (status, kind) = match &self {
             FrontError::BadRequest(_) => (StatusCode::BAD_REQUEST, "invalid_request_error"),
+            FrontError::ModelNotFound(..) => (StatusCode::NOT_FOUND, "invalid_request_error"),
             FrontError::EngineUnavailable => (StatusCode::SERVICE_UNAVAILABLE, "engine_unavailable"),
             FrontError::EngineRefused(_) | FrontError::Engine(_) => (StatusCode::INTERNAL_SERVER_ERROR, "engine_error"),
             FrontError::BridgeRequired { .. } => (StatusCode::BAD_GATEWAY, "bridge_unavailable"),
             FrontError::Overloaded { .. } => (StatusCode::TOO_MANY_REQUESTS, "overloaded"),
             FrontError::Timeout(_) => (StatusCode::GATEWAY_TIMEOUT, "timeout"),
         };
+        let code = match &self {
+            FrontError::ModelNotFound(..) => Some("model_not_found"),
+            _ => None,
+        };
         let mut response =
-            (status, Json(json!({"error": {"message": self.to_string(), "type": kind}}))).into_response();
+            (status, Json(json!({"error": {"message": self.to_string(), "type": kind, "code": code}}))).into_response();
         if let FrontError::Overloaded { .. } = &self {
             response.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
         }
@@ -280,6 +287,10 @@ impl Front {
         input: TokenizeInput<'_>,
         kind: Kind,
     ) -> Result<Response, FrontError> {
+        // A client asking for another model must not be answered by this one.
+        if let Some(asked) = body.get("model").and_then(Value::as_str).filter(|m| *m != self.config.model_name) {
+            return Err(FrontError::ModelNotFound(asked.to_owned(), self.config.model_name.clone()));
+        }
         let admitted = self
             .admission
             .clone()

@@ -78,6 +78,17 @@ pub struct Sampling {
 pub fn sampling(body: &Value) -> Result<Sampling, InvalidRequest> {
     let field = |key: &str| body.get(key).filter(|v| !v.is_null());
     let bad = |key: &str, what: &str| invalid(format!("`{key}` must be {what}"));
+    // Options not implemented yet are refused, never silently ignored.
+    let unsupported = [
+        ("n", field("n").is_some_and(|v| v.as_u64() != Some(1))),
+        ("logprobs", field("logprobs").is_some_and(|v| v != &Value::Bool(false) && v.as_u64() != Some(0))),
+        ("top_logprobs", field("top_logprobs").is_some()),
+        ("presence_penalty", field("presence_penalty").is_some_and(|v| v.as_f64() != Some(0.0))),
+        ("frequency_penalty", field("frequency_penalty").is_some_and(|v| v.as_f64() != Some(0.0))),
+    ];
+    if let Some((key, _)) = unsupported.iter().find(|(_, asked)| *asked) {
+        return Err(invalid(format!("`{key}` is not supported by this server yet")));
+    }
     let max_tokens = match field("max_completion_tokens")
         .map(|v| ("max_completion_tokens", v))
         .or(field("max_tokens").map(|v| ("max_tokens", v)))
@@ -207,6 +218,25 @@ mod tests {
             let err = sampling(&json!({"stop": bad})).unwrap_err();
             assert!(err.0.contains("`stop`"), "{bad}: {err}");
         }
+    }
+
+    #[test]
+    fn options_not_implemented_are_refused_not_ignored() {
+        for (body, key) in [
+            (json!({"n": 2}), "`n`"),
+            (json!({"logprobs": true}), "`logprobs`"),
+            (json!({"logprobs": 5}), "`logprobs`"),
+            (json!({"top_logprobs": 3}), "`top_logprobs`"),
+            (json!({"presence_penalty": 0.5}), "`presence_penalty`"),
+            (json!({"frequency_penalty": -1}), "`frequency_penalty`"),
+        ] {
+            let err = sampling(&body).unwrap_err();
+            assert!(err.0.contains(key) && err.0.contains("not supported"), "{body}: {err}");
+        }
+        // What clients send by default is accepted.
+        let defaults =
+            json!({"n": 1, "logprobs": false, "presence_penalty": 0, "frequency_penalty": 0.0, "top_logprobs": null});
+        assert!(sampling(&defaults).is_ok());
     }
 
     #[test]

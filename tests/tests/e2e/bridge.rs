@@ -332,6 +332,8 @@ async fn bridged_answers_on_real_engines() {
         ),
         (json!({"messages": too_long}), "context_length_exceeded"),
         (json!({"messages": first, "max_tokens": 8192}), "context_length_exceeded"),
+        (json!({"messages": first, "n": 2}), "`n` is not supported"),
+        (json!({"messages": first, "logprobs": true}), "`logprobs` is not supported"),
     ] {
         let response = client.post(&url).json(&body).send().await.unwrap();
         assert_eq!(response.status().as_u16(), 400, "{body}");
@@ -339,6 +341,11 @@ async fn bridged_answers_on_real_engines() {
         let message = error["error"]["message"].as_str().unwrap_or_default().to_owned();
         assert!(message.contains(needle), "{message:?} lacks {needle:?}");
     }
+    // Another model than the one served: OpenAI's 404.
+    let other_model = client.post(&url).json(&json!({"messages": first, "model": "gpt-4o"})).send().await.unwrap();
+    assert_eq!(other_model.status().as_u16(), 404);
+    let error = other_model.json::<Value>().await.unwrap();
+    assert_eq!(error["error"]["code"], "model_not_found", "{error}");
     let still = chat(&decoded, &first, "auto").await;
     assert_eq!(still.verdict["outcome"], "cached");
     // List-form text content is the same prompt as plain content.
