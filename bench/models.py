@@ -169,7 +169,7 @@ def kl(p_logprobs, q_logprobs) -> float:
     return float(np.sum(np.exp(p) * (p - q)))
 
 
-def tensor_bytes(path: str) -> int:
+def file_tensor_bytes(path: str) -> int:
     """The tensor data of a block file (its size less the safetensors header): what the wire
     carried for it as shard payloads."""
     with open(path, "rb") as f:
@@ -229,7 +229,7 @@ def run_row(row: Row, args, text: str) -> dict:
         first_agree += out["first_token_same"]
         greedy_agree += out["greedy_same"]
         kls.append(out["kl"])
-        sent += sum(tensor_bytes(p) for p in paths)
+        sent += sum(file_tensor_bytes(p) for p in paths)
         tokens_sent += len(paths) * BLOCK_TOKENS
     probe = engine.tokenize({"messages": prompts[0]["messages"]})
     own = own_bytes_per_token(engine)

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache, make_prompt_cache
 
 from .safetensors_io import dtype_name
 
@@ -31,8 +31,6 @@ class UnsupportedCache(Exception):
 
 class _Plain:
     """KVCache: keys and values, one row per token."""
-
-    names = ("keys", "values")
 
     def params(self, cache: KVCache) -> dict:
         return {}
@@ -78,8 +76,6 @@ class _Quantized:
 class _Rotating:
     """RotatingKVCache (sliding window): blocks hold every token's rows, so the window can be rebuilt
     at any block boundary; the decoder keeps the first `keep` rows and the last `max_size - keep`."""
-
-    names = ("keys", "values")
 
     def params(self, cache: RotatingKVCache) -> dict:
         return {"window": cache.max_size, "keep": cache.keep}
@@ -152,8 +148,6 @@ def describe(index: int, cache: Any) -> dict:
 def decoder_caches(model: Any, kv_bits: int | None, kv_group_size: int) -> list:
     """The caches the decoder runs with: the model's own (`make_prompt_cache`), quantized as
     mlx-lm's `generate_step(kv_bits=...)` quantizes them, from the first token."""
-    from mlx_lm.models.cache import make_prompt_cache
-
     caches = make_prompt_cache(model)
     if kv_bits:
         for i, c in enumerate(caches):

@@ -39,11 +39,12 @@ def dtype_name(dtype: mx.Dtype) -> str:
         raise ValueError(f"dtype {dtype} has no pd-bridge wire name") from None
 
 
-def tensor_bytes(array: mx.array) -> bytes:
-    """The array's elements as contiguous little-endian bytes."""
+def tensor_bytes(array: mx.array) -> memoryview:
+    """The array's elements as C-contiguous little-endian bytes: a view of MLX's buffer when that
+    is already contiguous (one copy otherwise), so the hot path never copies a block twice."""
     if array.dtype == mx.bfloat16:
         array = array.view(mx.uint16)  # numpy has no bfloat16; the bits are what we want
-    return np.asarray(array).tobytes(order="C")
+    return memoryview(np.ascontiguousarray(np.asarray(array))).cast("B")
 
 
 def serialize(tensors: Iterable[tuple[str, mx.array]], metadata: Mapping[str, str]) -> bytes:

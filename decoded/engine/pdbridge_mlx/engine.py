@@ -98,7 +98,7 @@ class Engine:
             raise StartupError(f"kv_bits {kv_bits}: {e}") from None
         load_ms = _ms(t0)
 
-        layer_specs = self._probe_cache()
+        layer_specs = self._probe_cache(kinds.decoder_caches(self.model, kv_bits, kv_group_size))
         self.spec = self._make_spec(model_id or self.model_dir.name, layer_specs)
         bridged = [l["index"] for l in layer_specs if l["kind"] == kinds.ROWS]
         self.cache_path = CachePath(self.model, self.templates, dtype, bridged)
@@ -129,10 +129,10 @@ class Engine:
 
     # ------------------------------------------------------------------ startup
 
-    def _probe_cache(self) -> list[dict]:
-        """Runs one token through the decoder's own caches and describes, per layer, what they
-        really hold: class, parameters, tensors with their dtype and per-token shape."""
-        caches = kinds.decoder_caches(self.model, self.kv_args.get("kv_bits"), self.kv_args.get("kv_group_size", 64))
+    def _probe_cache(self, caches: list) -> list[dict]:
+        """Runs one token through `caches` (empty ones of the decoder's own) and describes, per
+        layer, what they really hold: class, parameters, tensors with their dtype and per-token
+        shape."""
         self.model(mx.array([[0]]), cache=caches)
         mx.eval([c.state for c in caches])
         layers = [kinds.describe(i, c) for i, c in enumerate(caches)]

@@ -38,6 +38,7 @@ class _RecordsLayerInputs:
     """Mixed into a model's inner module (the one holding ``layers``) by a class swap."""
 
     _hooked_layers: tuple[int, ...] = ()
+    _hooks: tuple = ()
     _sink: list | None = None
 
     def record_layer_inputs(self, layers: tuple[int, ...]) -> None:
@@ -46,9 +47,9 @@ class _RecordsLayerInputs:
         if beyond:
             raise ValueError(f"layer inputs {beyond} are outside this model's layers "
                              f"[{self.start_layer}, {self.end_layer})")
-        for i in layers:
-            if i not in self._hooked_layers:
-                self.layers[i].register_forward_pre_hook(self._record)
+        for hook in self._hooks:  # a new choice replaces the old one
+            hook.remove()
+        self._hooks = tuple(self.layers[i].register_forward_pre_hook(self._record) for i in layers)
         self._hooked_layers = layers
         self.aux_hidden_state_layers = ()  # the model's own capture stays off
 

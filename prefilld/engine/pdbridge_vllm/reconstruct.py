@@ -65,6 +65,6 @@ def block(path: CachePath, hidden: np.ndarray, offset: int, streams: list | None
         data = tensor_bytes(array)
         headers.append({"layer": layer, "name": name, "dtype": dtype_name(array.dtype),
                         "shape": list(array.shape), "offset": at, "nbytes": len(data)})
-        parts.append(memoryview(data))
+        parts.append(data)
         at += len(data)
     return headers, parts
