@@ -10,7 +10,7 @@ use pdbridge_common::{
         GetSpecRequest, PrefillRequest, cache_store_client::CacheStoreClient, outcome::Status as OutcomeStatus,
         prefill_event::Event, prefiller_client::PrefillerClient,
     },
-    spec,
+    spec, tls,
 };
 use serde_json::Value;
 use tonic::transport::Channel;
@@ -44,10 +44,21 @@ impl Report {
 pub async fn run(endpoints: &Endpoints) -> ExitCode {
     let mut report = Report { failed: 0 };
 
-    let decoded = connect(&endpoints.decoded).await;
+    let tls = match endpoints.tls.load() {
+        Ok(tls) => tls,
+        Err(problem) => {
+            report.line("certificate", Err(problem));
+            None
+        }
+    };
+    if tls.is_some() {
+        report.line("certificate", certificate(&endpoints.tls));
+    }
+    let names = &endpoints.tls;
+    let decoded = connect(&endpoints.decoded, tls.as_ref(), names.decoded_name.as_deref()).await;
     let decoded_ok =
         report.line("decoded reachable", decoded.as_ref().map(|_| endpoints.decoded.clone()).map_err(Clone::clone));
-    let prefilld = connect(&endpoints.prefilld).await;
+    let prefilld = connect(&endpoints.prefilld, tls.as_ref(), names.prefilld_name.as_deref()).await;
     let prefilld_ok =
         report.line("prefilld reachable", prefilld.as_ref().map(|_| endpoints.prefilld.clone()).map_err(Clone::clone));
 
@@ -62,7 +73,7 @@ pub async fn run(endpoints: &Endpoints) -> ExitCode {
     report.line("clock skew", skew(&endpoints.decoded_admin, &endpoints.prefilld_admin).await);
     match (decoded, prefilld) {
         (Ok(decoded), Ok(prefilld)) => {
-            report.line("test bridge", test_bridge(decoded, prefilld, endpoints.decoder_addr()).await);
+            report.line("test bridge", test_bridge(decoded, prefilld, &endpoints.decoder_addr).await);
         }
         _ => {
             let missing = if decoded_ok {
@@ -81,6 +92,34 @@ pub async fn run(endpoints: &Endpoints) -> ExitCode {
     } else {
         println!("{} check(s) failed", report.failed);
         ExitCode::FAILURE
+    }
+}
+
+/// Days left below which a certificate fails the check: time to renew.
+const RENEW_DAYS: i64 = 14;
+
+/// The CLI's certificate: signed by the CA, holding an identity, and not
+/// about to expire. (That each daemon accepts the other's shows in the test
+/// bridge: prefilld pushes to decoded over mutual TLS.)
+fn certificate(args: &crate::TlsArgs) -> Result<String, String> {
+    let read = |path: &Option<std::path::PathBuf>| {
+        let path = path.as_ref().expect("clap requires --ca, --cert and --key together");
+        std::fs::read(path)
+            .map_err(|e| format!("{}: {e}", path.display()))
+            .and_then(|pem| tls::first_pem_der(&pem).ok_or_else(|| format!("{}: no PEM certificate", path.display())))
+    };
+    let (ca_der, cert_der) = (read(&args.ca)?, read(&args.cert)?);
+    let (_, ca) = x509_parser::parse_x509_certificate(&ca_der).map_err(|e| format!("CA: {e}"))?;
+    let (_, cert) = x509_parser::parse_x509_certificate(&cert_der).map_err(|e| format!("certificate: {e}"))?;
+    cert.verify_signature(Some(ca.public_key())).map_err(|_| "not signed by the given CA".to_owned())?;
+    let names = tls::identities(&cert_der)?;
+    let left = cert.validity().time_to_expiration().map(|d| d.whole_days());
+    match left {
+        None => Err(format!("{} expired on {}", names.join(", "), cert.validity().not_after)),
+        Some(days) if days < RENEW_DAYS => {
+            Err(format!("{} expires in {days} days: renew it (`pdbridge certs`)", names.join(", ")))
+        }
+        Some(days) => Ok(format!("{}, signed by the CA, expires in {days} days", names.join(", "))),
     }
 }
 

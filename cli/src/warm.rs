@@ -25,9 +25,14 @@ pub struct WarmArgs {
     /// prefilld's gRPC address.
     #[arg(long, default_value = "http://127.0.0.1:7071")]
     prefilld: String,
-    /// How prefilld reaches decoded's CacheStore.
-    #[arg(long, default_value = "http://127.0.0.1:7070")]
+    /// Which of prefilld's `[[decoders]]` receives the blocks (default: its first).
+    #[arg(long, default_value = "")]
     decoder_addr: String,
+    /// An API key of decoded's front door (`front.api_keys`).
+    #[arg(long, env = "PDBRIDGE_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
+    #[command(flatten)]
+    tls: crate::TlsArgs,
 }
 
 pub async fn run(args: &WarmArgs) -> ExitCode {
@@ -47,9 +52,11 @@ async fn warm(args: &WarmArgs) -> Result<String, String> {
     let text = std::fs::read_to_string(&args.file).map_err(|e| format!("{}: {e}", args.file.display()))?;
     let body =
         if args.plain { json!({"prompt": text}) } else { json!({"messages": [{"role": "user", "content": text}]}) };
-    let tokenized: Value = reqwest::Client::new()
-        .post(format!("{}/pd/v1/tokenize", args.front))
-        .json(&body)
+    let mut tokenize = reqwest::Client::new().post(format!("{}/pd/v1/tokenize", args.front)).json(&body);
+    if let Some(key) = &args.api_key {
+        tokenize = tokenize.bearer_auth(key);
+    }
+    let tokenized: Value = tokenize
         .send()
         .await
         .and_then(|r| r.error_for_status())
@@ -58,7 +65,8 @@ async fn warm(args: &WarmArgs) -> Result<String, String> {
         .await
         .map_err(|e| format!("tokenize: {e}"))?;
     let tokens: Vec<u32> = serde_json::from_value(tokenized["tokens"].clone()).map_err(|e| format!("tokenize: {e}"))?;
-    let channel = connect(&args.prefilld).await?;
+    let tls = args.tls.load()?;
+    let channel = connect(&args.prefilld, tls.as_ref(), args.tls.prefilld_name.as_deref()).await?;
     let request =
         PrefillRequest { token_ids: tokens.clone(), decoder_addr: args.decoder_addr.clone(), ..Default::default() };
     let mut events = PrefillerClient::new(channel)

@@ -132,10 +132,33 @@ pub struct ServerConfig {
     pub drain_timeout: Duration,
     #[serde(default)]
     pub http2: Http2Config,
+    /// Allows a listener on a non-loopback address with nothing checking who
+    /// calls (no `[tls]` for gRPC, no API key for the front door). Logged as a
+    /// warning at start and counted in `pdbridge_insecure_listeners`.
+    #[serde(default)]
+    pub insecure: bool,
 }
 
 fn default_drain_timeout() -> Duration {
     Duration::from_secs(30)
+}
+
+impl ServerConfig {
+    /// Refuses `addr` (the value of `key`) when other hosts can reach it and
+    /// nothing authenticates callers, unless `server.insecure` allows it.
+    /// Returns whether the listener is exposed that way.
+    pub fn check_exposure(&self, key: &str, addr: SocketAddr, protected: bool, fix: &str) -> Result<bool, ConfigError> {
+        let exposed = !protected && !addr.ip().is_loopback();
+        if exposed && !self.insecure {
+            return Err(ConfigError::invalid(
+                key,
+                format!(
+                    "{addr} is reachable from other hosts and {fix}; do that, bind a loopback address, or set server.insecure = true"
+                ),
+            ));
+        }
+        Ok(exposed)
+    }
 }
 
 impl Validate for ServerConfig {

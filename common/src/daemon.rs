@@ -126,6 +126,8 @@ pub struct Rpc {
     pub routes: tonic::service::Routes,
     /// Extra admin routes merged beside `/metrics`, `/healthz` and `/readyz`.
     pub admin_routes: axum::Router,
+    /// Serve gRPC over mutual TLS (`[tls]`); plain HTTP/2 when absent.
+    pub tls: Option<crate::tls::Tls>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -154,8 +156,12 @@ pub async fn serve_rpc(
         .add_service(grpc::health(readiness, services).await)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha);
+    let mut builder = grpc::server(&server.http2);
+    if let Some(tls) = &rpc.tls {
+        builder = builder.tls_config(tls.server())?;
+    }
     let mut grpc_task = tokio::spawn(
-        grpc::server(&server.http2)
+        builder
             .add_routes(routes)
             .serve_with_incoming_shutdown(grpc::incoming(rpc.grpc), stop.clone().cancelled_owned()),
     );

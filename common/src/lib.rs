@@ -17,3 +17,18 @@ pub mod shard;
 pub mod shutdown;
 pub mod spec;
 pub mod telemetry;
+pub mod tls;
+
+/// An error with its causes, `outer: inner: …` (tonic's transport errors say
+/// just "transport error"; the reason, a refused TLS handshake say, is in the
+/// source chain).
+pub fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut out = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        out.push_str(": ");
+        out.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    out
+}

@@ -214,4 +214,78 @@ mod tests {
         asm.insert(30, Bytes::from(vec![0; 70])).unwrap();
         assert!(asm.is_complete());
     }
+
+    /// Fuzzing the shard path with hostile shards: whatever a peer sends, `check` and
+    /// `insert` never panic, no accepted byte lies outside the tensor or is accepted twice,
+    /// and a tensor completes exactly when every byte arrived once, with the sent bytes.
+    mod fuzz {
+        use proptest::prelude::*;
+
+        use super::*;
+
+        /// A shard of the test tensor with any offset, length, checksum or damage.
+        fn hostile_shard(len: u64) -> impl Strategy<Value = Shard> {
+            let offset = prop_oneof![0..len + 8, Just(u64::MAX), any::<u64>()];
+            (offset, 0usize..200, any::<bool>(), any::<u32>(), any::<bool>()).prop_map(
+                move |(byte_offset, n, honest_crc, crc, right_shape)| {
+                    let payload = Bytes::from(vec![0xA5; n]);
+                    Shard {
+                        block_index: 0,
+                        layer: 0,
+                        tensor: "keys".into(),
+                        dtype: Dtype::F32 as i32,
+                        shape: if right_shape { vec![1, 3, 4, 8] } else { vec![3, 1, 4, 8] },
+                        byte_offset,
+                        crc32c: if honest_crc { checksum(&payload) } else { crc },
+                        payload,
+                    }
+                },
+            )
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig { cases: 2048, ..ProptestConfig::default() })]
+
+            #[test]
+            fn hostile_shards_never_overfill_a_tensor(shards in prop::collection::vec(hostile_shard(384), 0..64)) {
+                let (_, expected, _) = tensor();
+                let len = expected.byte_len();
+                let mut asm = TensorAssembly::new(len);
+                let mut covered = vec![false; len as usize];
+                for shard in shards {
+                    if expected.check(&shard).is_err() {
+                        continue;
+                    }
+                    let (start, end) = (shard.byte_offset as usize, shard.byte_offset as usize + shard.payload.len());
+                    let fresh = covered[start..end].iter().all(|c| !c);
+                    prop_assert_eq!(asm.insert(shard.byte_offset, shard.payload).is_ok(), fresh);
+                    if fresh {
+                        covered[start..end].iter_mut().for_each(|c| *c = true);
+                    }
+                    prop_assert_eq!(asm.is_complete(), covered.iter().all(|c| *c));
+                }
+            }
+
+            #[test]
+            fn any_split_in_any_order_reassembles_the_same_bytes(max_payload in 1usize..400, seed in any::<u64>()) {
+                let (id, expected, data) = tensor();
+                let mut shards: Vec<Shard> = split(&id, data.clone(), max_payload).collect();
+                // A seeded Fisher-Yates shuffle: arrival order is the network's.
+                let mut state = seed | 1;
+                for i in (1..shards.len()).rev() {
+                    state ^= state << 13;
+                    state ^= state >> 7;
+                    state ^= state << 17;
+                    shards.swap(i, (state % (i as u64 + 1)) as usize);
+                }
+                let mut asm = TensorAssembly::new(expected.byte_len());
+                for shard in shards {
+                    expected.check(&shard).unwrap();
+                    asm.insert(shard.byte_offset, shard.payload).unwrap();
+                }
+                prop_assert!(asm.is_complete());
+                prop_assert_eq!(asm.into_parts().concat(), data.to_vec());
+            }
+        }
+    }
 }

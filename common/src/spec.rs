@@ -22,6 +22,24 @@ pub fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
+/// Whether `fingerprint` has the form of one: 64 lower-case hex digits (a
+/// peer's value is joined into file names and compared as text).
+pub fn is_fingerprint(fingerprint: &str) -> bool {
+    fingerprint.len() == 64 && fingerprint.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+}
+
+/// Refuses a prompt the decoder could never hold: more tokens than its
+/// context, or an id outside its vocabulary.
+pub fn check_tokens(spec: &CacheSpec, token_ids: &[u32]) -> Result<(), String> {
+    if token_ids.len() > spec.max_context as usize {
+        return Err(format!("{} tokens exceed the decoder's context of {}", token_ids.len(), spec.max_context));
+    }
+    if let Some((at, id)) = token_ids.iter().enumerate().find(|(_, id)| **id >= spec.vocab_size) {
+        return Err(format!("id {id} at {at} is outside the vocabulary of {}", spec.vocab_size));
+    }
+    Ok(())
+}
+
 /// The dtype and full shape of tensor `name` of `layer` in one block, or
 /// `None` when the spec has no such tensor.
 pub fn block_tensor(spec: &CacheSpec, layer: u32, name: &str) -> Option<Expected> {
@@ -100,6 +118,22 @@ impl Dtype {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn tokens_must_fit_the_context_and_the_vocabulary() {
+        let spec = CacheSpec { max_context: 4, vocab_size: 10, ..Default::default() };
+        assert!(check_tokens(&spec, &[0, 9, 3, 3]).is_ok());
+        assert!(check_tokens(&spec, &[0; 5]).unwrap_err().contains("context of 4"));
+        assert!(check_tokens(&spec, &[1, 10]).unwrap_err().contains("id 10 at 1"));
+    }
+
+    #[test]
+    fn fingerprints_are_64_lower_hex_digits() {
+        assert!(is_fingerprint(&"ab12".repeat(16)));
+        for bad in ["", "../../etc/passwd", &"AB12".repeat(16), &"ab12".repeat(15), &format!("{}/", "a".repeat(63))] {
+            assert!(!is_fingerprint(bad), "{bad}");
+        }
+    }
     use crate::proto::{DecoderCode, LayerSpec, Rope, TensorSpec};
 
     pub fn small_spec() -> CacheSpec {

@@ -57,11 +57,28 @@ pub fn register_common(engine: &'static str, service: &'static str) {
     metrics::counter!("pdbridge_engine_restarts_total", "engine" => engine).absolute(0);
     metrics::describe_counter!("pdbridge_grpc_errors_total", "gRPC calls answered with an error, by status code.");
     metrics::counter!("pdbridge_grpc_errors_total", "service" => service, "code" => "Unavailable").absolute(0);
+    metrics::describe_gauge!(
+        "pdbridge_insecure_listeners",
+        "Listeners reachable from other hosts with nothing authenticating callers (allowed by server.insecure)."
+    );
+    metrics::gauge!("pdbridge_insecure_listeners").set(0.0);
     metrics::describe_histogram!(
         "pdbridge_stage_seconds",
         metrics::Unit::Seconds,
         "Duration of one stage of a request."
     );
+}
+
+/// Warns about, and counts, listeners that `server.insecure` left open to
+/// other hosts (config keys, e.g. `server.grpc_listen`).
+pub fn record_insecure(listeners: &[&str]) {
+    metrics::gauge!("pdbridge_insecure_listeners").set(listeners.len() as f64);
+    if !listeners.is_empty() {
+        tracing::warn!(
+            listeners = listeners.join(", "),
+            "server.insecure: these listeners accept anyone who can reach them; see SECURITY.md"
+        );
+    }
 }
 
 /// Records one stage's duration in `pdbridge_stage_seconds{stage}`.

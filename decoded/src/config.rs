@@ -2,7 +2,10 @@
 
 use std::{net::SocketAddr, path::PathBuf, time::Duration};
 
-use pdbridge_common::config::{ConfigError, LogConfig, ServerConfig, Validate};
+use pdbridge_common::{
+    config::{ConfigError, LogConfig, ServerConfig, Validate},
+    tls::{self, TlsConfig},
+};
 use serde::Deserialize;
 
 #[derive(Clone, Debug, Deserialize)]
@@ -22,11 +25,49 @@ pub struct Config {
     pub spec_file: Option<PathBuf>,
     #[serde(default)]
     pub front: FrontConfig,
+    /// Mutual TLS for CacheStore (and for dialing prefilld); `tls.peers` are
+    /// the prefillers allowed to Push, Lookup and read the bundle.
+    pub tls: Option<TlsConfig>,
+}
+
+impl Config {
+    /// Config keys of listeners other hosts can reach with nothing checking
+    /// who calls (only possible with `server.insecure`).
+    pub fn insecure_listeners(&self) -> Vec<&'static str> {
+        self.exposure().map(|exposed| exposed.into_iter().flatten().collect()).unwrap_or_default()
+    }
+
+    fn exposure(&self) -> Result<[Option<&'static str>; 2], ConfigError> {
+        let server = &self.server;
+        let grpc = server.check_exposure(
+            "server.grpc_listen",
+            server.grpc_listen,
+            self.tls.is_some(),
+            "no [tls] is configured (see `pdbridge certs`)",
+        )?;
+        let front = server.check_exposure(
+            "front.listen",
+            self.front.listen,
+            self.front.has_api_keys(),
+            "no front.api_keys are configured",
+        )?;
+        Ok([grpc.then_some("server.grpc_listen"), front.then_some("front.listen")])
+    }
 }
 
 impl Validate for Config {
     fn validate(&self) -> Result<(), ConfigError> {
         self.server.validate()?;
+        if let Some(tls) = &self.tls {
+            tls.validate()?;
+        }
+        self.exposure()?;
+        let front = &self.front;
+        for (key, addr) in [("front.prefilld", &front.prefilld), ("front.advertise_addr", &front.advertise_addr)] {
+            if let Some(addr) = addr {
+                tls::check_scheme(key, addr, self.tls.is_some())?;
+            }
+        }
         self.store.validate()?;
         if self.engine.is_some() && self.spec_file.is_some() {
             return Err(ConfigError::invalid("spec_file", "give either an [engine] or a spec_file, not both"));
@@ -186,8 +227,19 @@ pub struct FrontConfig {
     pub listen: SocketAddr,
     /// The model name `/v1/models` lists and responses carry.
     pub model_name: String,
-    /// prefilld's gRPC address; without it every answer is native.
+    /// prefilld's gRPC address; without it every answer is native. With
+    /// `[tls]` it must be `https://`.
     pub prefilld: Option<String>,
+    /// The identity prefilld's certificate must hold (default: the host of
+    /// `prefilld`).
+    pub prefilld_name: Option<String>,
+    /// API keys clients send as `Authorization: Bearer <key>`: a TOML list, or
+    /// one comma-separated string (e.g. from `PDB_FRONT__API_KEYS`). With none
+    /// here nor in `api_keys_file`, the front door is open to whoever reaches it.
+    #[serde(deserialize_with = "api_keys")]
+    pub api_keys: Vec<ApiKey>,
+    /// A file of API keys, one per line (blank lines and `#` comments skipped).
+    pub api_keys_file: Option<PathBuf>,
     /// How prefilld reaches this decoder's CacheStore (default: the gRPC
     /// listener, with an unspecified IP replaced by 127.0.0.1).
     pub advertise_addr: Option<String>,
@@ -218,6 +270,9 @@ impl Default for FrontConfig {
             listen: SocketAddr::from(([127, 0, 0, 1], 8080)),
             model_name: "smollm2".into(),
             prefilld: None,
+            prefilld_name: None,
+            api_keys: Vec::new(),
+            api_keys_file: None,
             advertise_addr: None,
             bridge: true,
             min_bridge_tokens: 256,
@@ -230,8 +285,63 @@ impl Default for FrontConfig {
     }
 }
 
+/// An API key: never printed, compared by digest.
+#[derive(Clone, PartialEq, Eq)]
+pub struct ApiKey(String);
+
+impl std::fmt::Debug for ApiKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ApiKey(<redacted>)")
+    }
+}
+
+impl ApiKey {
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+fn api_keys<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<Vec<ApiKey>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Keys {
+        List(Vec<String>),
+        Joined(String),
+    }
+    let keys = match Keys::deserialize(deserializer)? {
+        Keys::List(keys) => keys,
+        Keys::Joined(joined) => joined.split(',').map(str::to_owned).collect(),
+    };
+    Ok(keys.into_iter().map(|k| k.trim().to_owned()).filter(|k| !k.is_empty()).map(ApiKey).collect())
+}
+
+impl FrontConfig {
+    /// Every configured API key: `api_keys` plus the lines of `api_keys_file`.
+    pub fn load_api_keys(&self) -> Result<Vec<ApiKey>, ConfigError> {
+        let mut keys = self.api_keys.clone();
+        if let Some(path) = &self.api_keys_file {
+            let text = std::fs::read_to_string(path)
+                .map_err(|e| ConfigError::invalid("front.api_keys_file", format!("{}: {e}", path.display())))?;
+            keys.extend(
+                text.lines()
+                    .map(str::trim)
+                    .filter(|line| !line.is_empty() && !line.starts_with('#'))
+                    .map(|line| ApiKey(line.to_owned())),
+            );
+        }
+        Ok(keys)
+    }
+
+    fn has_api_keys(&self) -> bool {
+        !self.api_keys.is_empty() || self.api_keys_file.is_some()
+    }
+}
+
 impl Validate for FrontConfig {
     fn validate(&self) -> Result<(), ConfigError> {
+        if self.api_keys_file.is_some() && self.load_api_keys()?.is_empty() {
+            return Err(ConfigError::invalid("front.api_keys_file", "holds no key"));
+        }
         if self.default_max_tokens == 0 {
             return Err(ConfigError::invalid("front.default_max_tokens", "must be at least 1"));
         }
@@ -241,13 +351,115 @@ impl Validate for FrontConfig {
         if self.request_timeout.is_zero() {
             return Err(ConfigError::invalid("front.request_timeout", "must be greater than zero"));
         }
-        for (key, addr) in [("front.prefilld", &self.prefilld), ("front.advertise_addr", &self.advertise_addr)] {
-            if let Some(addr) = addr
-                && !(addr.starts_with("http://") || addr.starts_with("https://"))
-            {
-                return Err(ConfigError::invalid(key, "must be a URI such as http://host:port"));
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use pdbridge_common::config::{Sources, load};
+    use proptest::prelude::*;
+
+    use super::*;
+
+    fn parse(toml: &str, env: &[(&str, &str)]) -> Result<Config, ConfigError> {
+        static N: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let path = std::env::temp_dir().join(format!("pdb-decoded-config-{}-{n}.toml", std::process::id()));
+        std::fs::write(&path, toml).unwrap();
+        let env = env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        let loaded = load::<Config>(Sources { file: Some(path.clone()), env, overrides: Vec::new() });
+        let _ = std::fs::remove_file(&path);
+        loaded
+    }
+
+    const SERVER: &str = "[server]\ngrpc_listen = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n";
+
+    #[test]
+    fn api_keys_come_from_a_list_a_joined_string_or_a_file_and_never_print() {
+        let listed = parse(&format!("{SERVER}[front]\napi_keys = [\"a\", \" b \"]\n"), &[]).unwrap();
+        let joined = parse(SERVER, &[("PDB_FRONT__API_KEYS", "a, b,")]).unwrap();
+        for config in [&listed, &joined] {
+            let keys: Vec<&str> = config.front.api_keys.iter().map(ApiKey::expose).collect();
+            assert_eq!(keys, ["a", "b"]);
+            assert!(!format!("{config:?}").contains("\"a\""), "a key in Debug output");
+        }
+        let err = parse(&format!("{SERVER}[front]\napi_keys_file = \"/nonexistent/keys\"\n"), &[]).unwrap_err();
+        assert!(err.to_string().contains("front.api_keys_file"), "{err}");
+    }
+
+    /// Lines a config file may hold: every section and key decoded knows, with
+    /// values of every shape, and some it does not know.
+    fn line() -> impl Strategy<Value = String> {
+        let section = prop::sample::select(vec![
+            "[server]",
+            "[store]",
+            "[engine]",
+            "[front]",
+            "[tls]",
+            "[log]",
+            "[server.http2]",
+            "[bogus]",
+        ]);
+        let key = prop::sample::select(vec![
+            "grpc_listen",
+            "admin_listen",
+            "insecure",
+            "drain_timeout",
+            "dir",
+            "budget_bytes",
+            "block_tokens",
+            "max_open_blocks",
+            "listen",
+            "prefilld",
+            "api_keys",
+            "api_keys_file",
+            "cert",
+            "peers",
+            "model",
+            "kv_bits",
+            "max_frame_bytes",
+            "spec_file",
+            "unknown",
+        ]);
+        let value = prop::sample::select(vec![
+            "0",
+            "16",
+            "-1",
+            "18446744073709551616",
+            "true",
+            "\"0.0.0.0:0\"",
+            "\"127.0.0.1:0\"",
+            "\"https://x:1\"",
+            "\"http://x:1\"",
+            "\"\"",
+            "\"5s\"",
+            "\"0s\"",
+            "[]",
+            "[\"a\"]",
+            "{}",
+            "\"/nonexistent\"",
+            "1.5",
+        ]);
+        prop_oneof![section.prop_map(str::to_owned), (key, value).prop_map(|(k, v)| format!("{k} = {v}")), ".{0,12}"]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 1024, ..ProptestConfig::default() })]
+
+        /// Fuzzing config parsing: any file loads or is one error naming what is wrong;
+        /// nothing panics, and what loads honours every rule `validate` enforces.
+        #[test]
+        fn any_config_file_loads_or_is_refused_in_one_line(lines in prop::collection::vec(line(), 0..24)) {
+            let toml = format!("{SERVER}{}", lines.join("\n"));
+            match parse(&toml, &[]) {
+                Ok(config) => {
+                    prop_assert!(config.store.block_tokens > 0 && config.store.block_tokens % 16 == 0);
+                    prop_assert!(config.server.grpc_listen.ip().is_loopback() || config.tls.is_some() || config.server.insecure);
+                    prop_assert!(config.front.listen.ip().is_loopback() || config.front.has_api_keys() || config.server.insecure);
+                }
+                Err(e) => prop_assert!(!e.to_string().contains('\n'), "{e}"),
             }
         }
-        Ok(())
     }
 }

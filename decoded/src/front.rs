@@ -10,7 +10,12 @@
 //! them), or `native` with a reason. A native answer never claims `bridged`:
 //! the verdict's covered tokens are the ones the engine actually restored.
 
-use std::{collections::BTreeMap, convert::Infallible, sync::Arc, time::Duration};
+use std::{
+    collections::{BTreeMap, HashSet},
+    convert::Infallible,
+    sync::Arc,
+    time::Duration,
+};
 
 use axum::{
     Json, Router,
@@ -26,18 +31,20 @@ use pdbridge_common::{
         prefiller_client::PrefillerClient,
     },
     telemetry,
+    tls::{self, Tls},
 };
 use serde::Serialize;
 use serde_json::{Value, json};
+use sha2::{Digest, Sha256};
 use tokio::{
     sync::{OwnedSemaphorePermit, Semaphore},
     time::Instant,
 };
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 use tonic_health::pb::{HealthCheckRequest, health_check_response::ServingStatus, health_client::HealthClient};
 
 use crate::{
-    config::FrontConfig,
+    config::{ApiKey, FrontConfig},
     engine::{Engine, EngineError, GenerateEvent, GenerateRequest, GenerateSummary, TokenizeInput},
     inflight::{Bridges, Claim},
     openai,
@@ -70,14 +77,22 @@ struct Admitted {
     deadline: Instant,
 }
 
-pub fn router(engine: Option<Engine>, store: Arc<Store>, config: FrontConfig, advertise_addr: String) -> Router {
-    let prefilld = config.prefilld.as_ref().and_then(|addr| match Endpoint::from_shared(addr.clone()) {
-        Ok(endpoint) => Some(endpoint.tcp_nodelay(true).connect_lazy()),
-        Err(e) => {
-            tracing::error!(addr, error = %e, "front.prefilld is not a valid URI; bridging disabled");
-            None
-        }
-    });
+pub fn router(
+    engine: Option<Engine>,
+    store: Arc<Store>,
+    config: FrontConfig,
+    advertise_addr: String,
+    tls: Option<&Tls>,
+    api_keys: Vec<ApiKey>,
+) -> Router {
+    let prefilld =
+        config.prefilld.as_ref().and_then(|addr| match tls::endpoint(addr, tls, config.prefilld_name.as_deref()) {
+            Ok(endpoint) => Some(endpoint.tcp_nodelay(true).connect_lazy()),
+            Err(e) => {
+                tracing::error!(addr, error = %e, "front.prefilld cannot be dialed; bridging disabled");
+                None
+            }
+        });
     let admission = Arc::new(Semaphore::new(config.max_pending_requests));
     let state = Front {
         engine,
@@ -94,6 +109,48 @@ pub fn router(engine: Option<Engine>, store: Arc<Store>, config: FrontConfig, ad
         .route("/v1/models", get(models))
         .route("/pd/v1/tokenize", post(tokenize))
         .with_state(state)
+        .layer(axum::middleware::from_fn_with_state(ApiKeys::new(api_keys), require_api_key))
+}
+
+/// The front door's API keys, kept as digests so a comparison's timing says
+/// nothing about a key's bytes. None configured: everyone is let in.
+#[derive(Clone)]
+struct ApiKeys(Arc<HashSet<[u8; 32]>>);
+
+impl ApiKeys {
+    fn new(keys: Vec<ApiKey>) -> Self {
+        ApiKeys(Arc::new(keys.iter().map(|key| Self::digest(key.expose())).collect()))
+    }
+
+    fn digest(key: &str) -> [u8; 32] {
+        Sha256::digest(key.as_bytes()).into()
+    }
+
+    fn admits(&self, headers: &HeaderMap) -> bool {
+        if self.0.is_empty() {
+            return true;
+        }
+        let bearer = headers
+            .get(header::AUTHORIZATION)
+            .and_then(|value| value.to_str().ok())
+            .and_then(|value| value.strip_prefix("Bearer "));
+        bearer.is_some_and(|key| self.0.contains(&Self::digest(key.trim())))
+    }
+}
+
+/// OpenAI's answer to a missing or wrong key: 401, `invalid_api_key`.
+async fn require_api_key(
+    State(keys): State<ApiKeys>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    if keys.admits(request.headers()) {
+        return next.run(request).await;
+    }
+    metrics::counter!("pdbridge_front_unauthorized_total").increment(1);
+    let message = "missing or incorrect API key: send `Authorization: Bearer <key>` with a key from front.api_keys";
+    let body = json!({"error": {"message": message, "type": "invalid_request_error", "code": "invalid_api_key"}});
+    (StatusCode::UNAUTHORIZED, Json(body)).into_response()
 }
 
 // ---------------------------------------------------------------------------

@@ -17,6 +17,7 @@ use pdbridge_common::{
     proto::cache_store_server::CacheStoreServer,
     readiness::Readiness,
     telemetry,
+    tls::{Peers, Tls},
 };
 use std::sync::Arc;
 
@@ -66,6 +67,9 @@ impl Daemon for Decoded {
 pub async fn serve(listeners: Listeners, config: Config, shutdown: Shutdown) -> anyhow::Result<()> {
     telemetry::record_build_info(Decoded::NAME);
     register_metrics();
+    telemetry::record_insecure(&config.insecure_listeners());
+    let tls = config.tls.as_ref().map(Tls::load).transpose()?;
+    let api_keys = config.front.load_api_keys()?;
     let stop = daemon::cancel_on(shutdown);
     let readiness = Readiness::new();
     let (store, report) = Store::open(&config.store.dir, config.store.budget_bytes)?;
@@ -100,11 +104,13 @@ pub async fn serve(listeners: Listeners, config: Config, shutdown: Shutdown) -> 
     let grpc_addr = listeners.grpc.local_addr()?;
     let advertise = config.front.advertise_addr.clone().unwrap_or_else(|| {
         let ip = if grpc_addr.ip().is_unspecified() { [127, 0, 0, 1].into() } else { grpc_addr.ip() };
-        format!("http://{}", std::net::SocketAddr::new(ip, grpc_addr.port()))
+        let scheme = if tls.is_some() { "https" } else { "http" };
+        format!("{scheme}://{}", std::net::SocketAddr::new(ip, grpc_addr.port()))
     });
-    let front = front::router(engine.clone(), store.clone(), config.front.clone(), advertise);
+    let front = front::router(engine.clone(), store.clone(), config.front.clone(), advertise, tls.as_ref(), api_keys);
     let store_for_admin = store.clone();
-    let service = CacheStoreService::new(engine, store, &config.store);
+    let peers = tls.as_ref().map_or_else(Peers::open, Tls::peers);
+    let service = CacheStoreService::new(engine, store, &config.store, peers);
     let cache_store = CacheStoreServer::new(service)
         .max_decoding_message_size(config.server.http2.max_message_bytes)
         .max_encoding_message_size(config.server.http2.max_message_bytes);
@@ -121,6 +127,7 @@ pub async fn serve(listeners: Listeners, config: Config, shutdown: Shutdown) -> 
         admin: listeners.admin,
         routes: tonic::service::Routes::new(cache_store),
         admin_routes: axum::Router::new().route("/store", axum::routing::get(store_status)).with_state(store_for_admin),
+        tls,
     };
     daemon::serve_rpc(rpc, &config.server, &readiness, SERVICES, stop).await?;
     // The front door drains within the same deadline the gRPC side had.
@@ -172,6 +179,7 @@ fn register_metrics() {
         ("pdbridge_store_quarantined_total", "Block files quarantined (name, contents or checksum disagree)."),
         ("pdbridge_store_blocks_committed_total", "Blocks committed from Push streams."),
         ("pdbridge_push_bytes_total", "Bytes of blocks committed from Push streams."),
+        ("pdbridge_front_unauthorized_total", "Front-door requests refused for a missing or wrong API key."),
     ] {
         metrics::describe_counter!(name, help);
         metrics::counter!(name).absolute(0);

@@ -11,7 +11,8 @@ use pdbridge_common::{
         PushReceipt, PushSeal, cache_store_server::CacheStore, push_frame::Frame,
     },
     shard::ShardError,
-    telemetry,
+    spec, telemetry,
+    tls::Peers,
 };
 use tokio::{io::AsyncReadExt, sync::Semaphore};
 use tokio_stream::Stream;
@@ -35,13 +36,17 @@ pub struct CacheStoreService {
     push_slots: Arc<Semaphore>,
     max_push_streams: usize,
     push_idle_timeout: Duration,
+    /// Who may call: any holder of a CA-signed certificate may read the spec;
+    /// only `tls.peers` (the prefillers) may Lookup, Push and read the bundle.
+    peers: Peers,
 }
 
 impl CacheStoreService {
-    pub fn new(engine: Option<Engine>, store: Arc<Store>, config: &StoreConfig) -> Self {
+    pub fn new(engine: Option<Engine>, store: Arc<Store>, config: &StoreConfig, peers: Peers) -> Self {
         Self {
             engine,
             store,
+            peers,
             max_open_blocks: config.max_open_blocks,
             push_slots: Arc::new(Semaphore::new(config.max_push_streams)),
             max_push_streams: config.max_push_streams,
@@ -79,6 +84,8 @@ pub enum ServiceError {
     TooManyPushStreams { limit: usize },
     #[error("no Push frame for {0:?}")]
     PushIdle(Duration),
+    #[error("token_ids: {0}")]
+    BadTokens(String),
 }
 
 /// The one mapping from domain errors to gRPC status codes.
@@ -87,7 +94,7 @@ pub fn status_of(err: &ServiceError) -> Status {
         ServiceError::Engine(EngineError::NotReady) => Code::Unavailable,
         ServiceError::Engine(EngineError::BadRequest(_)) => Code::InvalidArgument,
         ServiceError::Engine(_) => Code::Internal,
-        ServiceError::BadStream(_) => Code::InvalidArgument,
+        ServiceError::BadStream(_) | ServiceError::BadTokens(_) => Code::InvalidArgument,
         ServiceError::TooManyPushStreams { .. } => Code::ResourceExhausted,
         ServiceError::PushIdle(_) => Code::DeadlineExceeded,
         ServiceError::Ingest(e) => match e {
@@ -107,17 +114,26 @@ pub fn status_of(err: &ServiceError) -> Status {
     Status::new(code, err.to_string())
 }
 
+/// Counts an authentication or authorization refusal on its way out.
+fn refuse(status: Status) -> Status {
+    metrics::counter!("pdbridge_grpc_errors_total", "service" => "CacheStore", "code" => format!("{:?}", status.code()))
+        .increment(1);
+    status
+}
+
 type BundleStream = Pin<Box<dyn Stream<Item = Result<BundleChunk, Status>> + Send>>;
 
 #[tonic::async_trait]
 impl CacheStore for CacheStoreService {
-    async fn get_spec(&self, _: Request<GetSpecRequest>) -> Result<Response<CacheSpec>, Status> {
+    async fn get_spec(&self, request: Request<GetSpecRequest>) -> Result<Response<CacheSpec>, Status> {
+        self.peers.authenticated(&request).map_err(refuse)?;
         Ok(Response::new(self.info()?.spec.clone()))
     }
 
     type GetBundleStream = BundleStream;
 
     async fn get_bundle(&self, request: Request<GetBundleRequest>) -> Result<Response<BundleStream>, Status> {
+        self.peers.authorized(&request).map_err(refuse)?;
         let info = self.info()?;
         Self::check_spec(&info, &request.get_ref().spec_fingerprint)?;
         let mut file = tokio::fs::File::open(&info.bundle_path)
@@ -149,9 +165,12 @@ impl CacheStore for CacheStoreService {
     }
 
     async fn lookup(&self, request: Request<LookupRequest>) -> Result<Response<LookupResponse>, Status> {
+        self.peers.authorized(&request).map_err(refuse)?;
         let info = self.info()?;
         let request = request.into_inner();
         Self::check_spec(&info, &request.spec_fingerprint)?;
+        spec::check_tokens(&info.spec, &request.token_ids)
+            .map_err(|problem| status_of(&ServiceError::BadTokens(problem)))?;
         let block_tokens = info.spec.block_tokens;
         let keys = block::keys(&info.spec.spec_fingerprint, &request.token_ids, block_tokens as usize);
         let cached_blocks = self.store.longest_prefix(&keys) as u32;
@@ -166,6 +185,7 @@ impl CacheStore for CacheStoreService {
     }
 
     async fn push(&self, request: Request<Streaming<PushFrame>>) -> Result<Response<PushReceipt>, Status> {
+        let caller = self.peers.authorized(&request).map_err(refuse)?;
         let info = self.info()?;
         let _slot = self
             .push_slots
@@ -178,6 +198,11 @@ impl CacheStore for CacheStoreService {
             Some(_) => return Err(bad_stream("the first frame of a Push must be `open`")),
             None => return Err(bad_stream("empty Push stream")),
         };
+        spec::check_tokens(&info.spec, &open.token_ids)
+            .map_err(|problem| status_of(&ServiceError::BadTokens(problem)))?;
+        if let Some(caller) = caller {
+            tracing::debug!(request_id = open.request_id, caller, "push from an authorized peer");
+        }
         let spec = Arc::new(info.spec.clone());
         let mut ingest =
             Ingest::open(spec, self.store.clone(), open, self.max_open_blocks).map_err(|e| status_of(&e.into()))?;

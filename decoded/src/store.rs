@@ -274,12 +274,11 @@ impl Store {
         fs::rename(path, &dest).map_err(io_err("quarantine", path))
     }
 
-    /// Whether a file can be created in the store right now, and the bytes
+    /// Whether the store's directory accepts new files (asked of the kernel,
+    /// which also knows a read-only mount; nothing is written), and the bytes
     /// free on its file system (for health checks such as `pdbridge doctor`).
     pub fn probe(&self) -> (bool, Option<u64>) {
-        let probe = self.root.join("tmp").join(format!("probe.{}", std::process::id()));
-        let writable = fs::write(&probe, b"probe").and_then(|_| fs::remove_file(&probe)).is_ok();
-        (writable, free_bytes(&self.root))
+        (writable(&self.root.join("tmp")), free_bytes(&self.root))
     }
 
     pub fn budget_bytes(&self) -> u64 {
@@ -495,10 +494,20 @@ impl Drop for TempFile {
     }
 }
 
+fn c_path(path: &Path) -> Option<std::ffi::CString> {
+    use std::os::unix::ffi::OsStrExt;
+    std::ffi::CString::new(path.as_os_str().as_bytes()).ok()
+}
+
+/// Whether this process may create files in the directory `path`.
+fn writable(path: &Path) -> bool {
+    // SAFETY: a valid NUL-terminated path; access() only reads it.
+    c_path(path).is_some_and(|c_path| unsafe { libc::access(c_path.as_ptr(), libc::W_OK | libc::X_OK) } == 0)
+}
+
 /// Bytes available to unprivileged users on the file system holding `path`.
 fn free_bytes(path: &Path) -> Option<u64> {
-    use std::os::unix::ffi::OsStrExt;
-    let c_path = std::ffi::CString::new(path.as_os_str().as_bytes()).ok()?;
+    let c_path = c_path(path)?;
     let mut stat = std::mem::MaybeUninit::<libc::statvfs>::uninit();
     // SAFETY: a valid NUL-terminated path and a pointer to writable statvfs storage.
     if unsafe { libc::statvfs(c_path.as_ptr(), stat.as_mut_ptr()) } != 0 {
@@ -588,6 +597,15 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("pdb-store-{tag}-{}", std::process::id()));
         let _ = fs::remove_dir_all(&dir);
         TempDir(dir)
+    }
+
+    #[test]
+    fn the_status_probe_writes_nothing() {
+        let dir = temp_dir("probe");
+        let (store, _) = Store::open(&dir.0, 1 << 20).unwrap();
+        let (writable, free) = store.probe();
+        assert!(writable && free.is_some());
+        assert_eq!(fs::read_dir(dir.0.join("tmp")).unwrap().count(), 0, "a GET of /store creates no file");
     }
 
     fn block(spec: &str, parent: BlockKey, index: u32, fill: u8) -> (BlockIdentity, Vec<BlockTensor>) {
@@ -739,5 +757,55 @@ mod tests {
             hasher.update(file.tensor(name).unwrap().data());
         }
         assert_eq!(recorded, hex::encode(hasher.finalize()));
+    }
+
+    /// Fuzzing index rebuild with a hostile file in the store directory: a valid block file
+    /// with bytes flipped, cut short or grown. Opening the store never fails or panics; the
+    /// file is either indexed because it still proves its name, or quarantined.
+    mod fuzz {
+        use proptest::{prelude::*, sample::Index as At};
+
+        use super::*;
+
+        proptest! {
+            #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
+
+            #[test]
+            fn a_damaged_block_file_is_quarantined_or_proves_its_name(
+                flips in prop::collection::vec((any::<At>(), 1u8..), 0..6),
+                cut in prop::option::of(any::<At>()),
+                grown in prop::collection::vec(any::<u8>(), 0..24),
+            ) {
+                static CASE: AtomicU64 = AtomicU64::new(0);
+                let dir = temp_dir(&format!("fuzz-{}", CASE.fetch_add(1, Ordering::Relaxed)));
+                let (b0, t0) = block("spec", BlockKey::ROOT, 0, 1);
+                let path = {
+                    let (store, _) = Store::open(&dir.0, 1 << 20).unwrap();
+                    store.commit(&b0, &t0).unwrap();
+                    store.path_of(&b0.key)
+                };
+                let mut bytes = fs::read(&path).unwrap();
+                for (at, mask) in &flips {
+                    let i = at.index(bytes.len());
+                    bytes[i] ^= mask;
+                }
+                if let Some(cut) = cut {
+                    bytes.truncate(cut.index(bytes.len()));
+                }
+                bytes.extend(&grown);
+                fs::write(&path, &bytes).unwrap();
+
+                let (store, report) = Store::open(&dir.0, 1 << 20).unwrap();
+                prop_assert_eq!(report.blocks + report.quarantined, 1);
+                let proven = verify_file(&path).map(|(key, _, _)| key);
+                if report.blocks == 1 {
+                    prop_assert_eq!(proven.ok(), Some(b0.key));
+                    prop_assert!(store.contains(&b0.key));
+                } else {
+                    prop_assert!(!path.exists() && !store.contains(&b0.key));
+                    prop_assert_eq!(fs::read_dir(dir.0.join("quarantine")).unwrap().count(), 1);
+                }
+            }
+        }
     }
 }

@@ -7,6 +7,11 @@
 //! JSON header, then `payload_bytes` raw bytes. The [`Router`] hands every
 //! message to the Prefill call that registered the request id, through a
 //! bounded channel: a slow decoder link slows the plugin, never grows memory.
+//!
+//! The socket is the engine's, not the network's: it is created 0600, only
+//! processes of prefilld's own user may connect, and a block's payload is
+//! allocated only after its size is checked against the largest block the
+//! waiting request's decoder spec allows.
 
 use std::{
     collections::{BTreeMap, HashMap, HashSet},
@@ -25,8 +30,6 @@ use tokio_util::sync::CancellationToken;
 
 /// Largest JSON header accepted from the plugin.
 const MAX_HEADER_BYTES: usize = 1 << 20;
-/// Largest block payload accepted from the plugin.
-const MAX_PAYLOAD_BYTES: usize = 1 << 30;
 
 /// One tensor's slice of a block payload.
 #[derive(Debug, Clone, Deserialize)]
@@ -81,10 +84,17 @@ pub enum CaptureError {
     Malformed(String),
 }
 
-/// Request id → the channel of the Prefill call waiting for its blocks.
+/// Request id → the Prefill call waiting for its blocks.
 pub struct Router {
     socket: PathBuf,
-    waiting: Mutex<HashMap<String, mpsc::Sender<PluginEvent>>>,
+    waiting: Mutex<HashMap<String, Waiting>>,
+}
+
+struct Waiting {
+    events: mpsc::Sender<PluginEvent>,
+    /// Largest block payload this request may receive (0 until it knows its
+    /// decoder's spec: no block is expected before that).
+    max_payload: usize,
 }
 
 /// A request's subscription; unregisters on drop.
@@ -92,6 +102,15 @@ pub struct Registration {
     router: Arc<Router>,
     request_id: String,
     pub events: mpsc::Receiver<PluginEvent>,
+}
+
+impl Registration {
+    /// Accepts blocks of up to `bytes` from now on.
+    pub fn expect_blocks(&self, bytes: usize) {
+        if let Some(waiting) = self.router.waiting.lock().unwrap().get_mut(&self.request_id) {
+            waiting.max_payload = bytes;
+        }
+    }
 }
 
 impl Drop for Registration {
@@ -110,15 +129,25 @@ impl Router {
         &self.socket
     }
 
-    /// Subscribes to the plugin's messages for `request_id`.
-    pub fn register(self: &Arc<Self>, request_id: &str, capacity: usize) -> Registration {
+    /// Subscribes to the plugin's messages for `request_id`; refuses (with
+    /// the id) one that is already registered, so no call can take over
+    /// another's channel.
+    pub fn register(self: &Arc<Self>, request_id: &str, capacity: usize) -> Result<Registration, String> {
         let (tx, rx) = mpsc::channel(capacity);
-        self.waiting.lock().unwrap().insert(request_id.to_owned(), tx);
-        Registration { router: self.clone(), request_id: request_id.to_owned(), events: rx }
+        match self.waiting.lock().unwrap().entry(request_id.to_owned()) {
+            std::collections::hash_map::Entry::Occupied(_) => return Err(request_id.to_owned()),
+            std::collections::hash_map::Entry::Vacant(slot) => slot.insert(Waiting { events: tx, max_payload: 0 }),
+        };
+        Ok(Registration { router: self.clone(), request_id: request_id.to_owned(), events: rx })
     }
 
     fn sender(&self, request_id: &str) -> Option<mpsc::Sender<PluginEvent>> {
-        self.waiting.lock().unwrap().get(request_id).cloned()
+        self.waiting.lock().unwrap().get(request_id).map(|w| w.events.clone())
+    }
+
+    /// None when nobody waits for `request_id` (its call ended).
+    fn max_payload(&self, request_id: &str) -> Option<usize> {
+        self.waiting.lock().unwrap().get(request_id).map(|w| w.max_payload)
     }
 
     /// Binds the plugin socket (replacing a stale one) and serves it until `stop`.
@@ -129,12 +158,24 @@ impl Router {
             std::fs::create_dir_all(dir).map_err(|e| CaptureError::Bind(path.display().to_string(), e))?;
         }
         let _ = std::fs::remove_file(path);
-        let listener = UnixListener::bind(path).map_err(|e| CaptureError::Bind(path.display().to_string(), e))?;
+        let bind_error = |e| CaptureError::Bind(path.display().to_string(), e);
+        let listener = UnixListener::bind(path).map_err(bind_error)?;
+        std::fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(0o600)).map_err(bind_error)?;
+        // SAFETY: geteuid cannot fail.
+        let own_uid = unsafe { libc::geteuid() };
         loop {
             let stream = tokio::select! {
                 _ = stop.cancelled() => break,
                 accepted = listener.accept() => accepted?.0,
             };
+            // A connection made before the chmod, or by root, still has to be ours.
+            match stream.peer_cred() {
+                Ok(cred) if cred.uid() == own_uid => {}
+                other => {
+                    tracing::warn!(peer = ?other.map(|c| c.uid()), "plugin socket: a connection from another user refused");
+                    continue;
+                }
+            }
             let router = self.clone();
             tokio::spawn(async move {
                 if let Err(e) = router.relay(stream).await {
@@ -152,7 +193,7 @@ impl Router {
     async fn relay(&self, mut stream: impl AsyncRead + Unpin) -> Result<(), CaptureError> {
         let mut unfinished = HashSet::new();
         let ended = loop {
-            let (request_id, event) = match read_message(&mut stream).await {
+            let (request_id, event) = match read_message(&mut stream, |id| self.max_payload(id)).await {
                 Ok(Some(message)) => message,
                 Ok(None) => break Ok(()),
                 Err(e) => break Err(e),
@@ -180,7 +221,13 @@ impl Router {
     }
 }
 
-async fn read_message(stream: &mut (impl AsyncRead + Unpin)) -> Result<Option<(String, PluginEvent)>, CaptureError> {
+/// Reads one message; `max_payload` says how large a block the named request
+/// may receive, checked before anything is allocated for it (None: nobody
+/// waits for it, so its payload is skipped unread).
+async fn read_message(
+    stream: &mut (impl AsyncRead + Unpin),
+    max_payload: impl Fn(&str) -> Option<usize>,
+) -> Result<Option<(String, PluginEvent)>, CaptureError> {
     let mut len = [0u8; 4];
     match stream.read_exact(&mut len).await {
         Ok(_) => {}
@@ -196,15 +243,29 @@ async fn read_message(stream: &mut (impl AsyncRead + Unpin)) -> Result<Option<(S
     let header: Header = serde_json::from_slice(&header).map_err(|e| CaptureError::Malformed(e.to_string()))?;
     Ok(Some(match header {
         Header::Block { request_id, block_index, payload_bytes, tensors } => {
-            if payload_bytes > MAX_PAYLOAD_BYTES {
-                return Err(CaptureError::Malformed(format!("payload of {payload_bytes} bytes")));
-            }
             if let Some(t) = tensors.iter().find(|t| t.offset.saturating_add(t.nbytes) > payload_bytes) {
                 return Err(CaptureError::Malformed(format!("tensor {}.{} outside the payload", t.layer, t.name)));
             }
-            let mut payload = BytesMut::zeroed(payload_bytes);
-            stream.read_exact(&mut payload).await?;
-            (request_id, PluginEvent::Block { index: block_index, tensors, payload: payload.freeze() })
+            let payload = match max_payload(&request_id) {
+                None => {
+                    let mut rest = (&mut *stream).take(payload_bytes as u64);
+                    if tokio::io::copy(&mut rest, &mut tokio::io::sink()).await? < payload_bytes as u64 {
+                        return Err(CaptureError::Io(std::io::ErrorKind::UnexpectedEof.into()));
+                    }
+                    Bytes::new()
+                }
+                Some(limit) if payload_bytes > limit => {
+                    return Err(CaptureError::Malformed(format!(
+                        "block of {payload_bytes} bytes for {request_id:?}, which accepts at most {limit}"
+                    )));
+                }
+                Some(_) => {
+                    let mut payload = BytesMut::zeroed(payload_bytes);
+                    stream.read_exact(&mut payload).await?;
+                    payload.freeze()
+                }
+            };
+            (request_id, PluginEvent::Block { index: block_index, tensors, payload })
         }
         Header::Done { request_id, num_tokens, blocks_emitted, timings_ms } => {
             (request_id, PluginEvent::Done { num_tokens, blocks_emitted, timings_ms })
@@ -238,14 +299,14 @@ mod tests {
         ));
         bytes.extend(frame(serde_json::json!({"type": "error", "request_id": "r", "reason": "x"}), &[]));
         let mut reader = bytes.as_slice();
-        let (id, event) = read_message(&mut reader).await.unwrap().unwrap();
+        let (id, event) = read_message(&mut reader, |_| Some(8)).await.unwrap().unwrap();
         assert_eq!(id, "r");
         assert!(matches!(event, PluginEvent::Block { index: 3, ref payload, .. } if payload.len() == 8));
-        let (_, event) = read_message(&mut reader).await.unwrap().unwrap();
+        let (_, event) = read_message(&mut reader, |_| Some(8)).await.unwrap().unwrap();
         assert!(matches!(event, PluginEvent::Done { num_tokens: 9, blocks_emitted: 1, .. }));
-        let (_, event) = read_message(&mut reader).await.unwrap().unwrap();
+        let (_, event) = read_message(&mut reader, |_| Some(8)).await.unwrap().unwrap();
         assert!(matches!(event, PluginEvent::Error { ref reason, .. } if reason == "x"));
-        assert!(read_message(&mut reader).await.unwrap().is_none());
+        assert!(read_message(&mut reader, |_| Some(8)).await.unwrap().is_none());
     }
 
     #[tokio::test]
@@ -256,14 +317,36 @@ mod tests {
             serde_json::json!({"type": "block", "request_id": "r", "block_index": 0, "payload_bytes": 8, "tensors": [tensor]}),
             &[0; 8],
         );
-        assert!(matches!(read_message(&mut bytes.as_slice()).await, Err(CaptureError::Malformed(_))));
+        assert!(matches!(read_message(&mut bytes.as_slice(), |_| Some(8)).await, Err(CaptureError::Malformed(_))));
+    }
+
+    #[tokio::test]
+    async fn refuses_a_block_larger_than_its_request_accepts_before_reading_it() {
+        let tensor =
+            serde_json::json!({"layer": 0, "name": "keys", "dtype": "F32", "shape": [2], "offset": 0, "nbytes": 8});
+        let header = serde_json::json!({"type": "block", "request_id": "r", "block_index": 0, "payload_bytes": 1u64 << 40, "tensors": [tensor]});
+        // Only the header is there: a reader that allocated or waited for the payload would fail otherwise.
+        let bytes = frame(header, &[]);
+        let refused = read_message(&mut bytes.as_slice(), |id| (id == "r").then_some(1 << 20)).await;
+        assert!(matches!(refused, Err(CaptureError::Malformed(ref m)) if m.contains("at most 1048576")), "{refused:?}");
+    }
+
+    #[test]
+    fn a_request_id_in_use_cannot_be_registered_again() {
+        let router = Router::new("unused.sock".into());
+        let first = router.register("r", 1).unwrap();
+        assert_eq!(router.register("r", 1).err().as_deref(), Some("r"));
+        drop(first);
+        assert!(router.register("r", 1).is_ok(), "free again once the first call ends");
     }
 
     #[tokio::test]
     async fn a_connection_lost_mid_request_ends_that_request() {
         let router = Router::new("unused.sock".into());
-        let mut cut = router.register("cut", 4);
-        let mut finished = router.register("finished", 4);
+        let mut cut = router.register("cut", 4).unwrap();
+        let mut finished = router.register("finished", 4).unwrap();
+        cut.expect_blocks(4);
+        finished.expect_blocks(4);
         let block = |id: &str| {
             let tensor =
                 serde_json::json!({"layer": 0, "name": "keys", "dtype": "F32", "shape": [1], "offset": 0, "nbytes": 4});
@@ -286,5 +369,63 @@ mod tests {
         assert!(matches!(finished.events.recv().await, Some(PluginEvent::Block { .. })));
         assert!(matches!(finished.events.recv().await, Some(PluginEvent::Done { .. })));
         assert!(finished.events.try_recv().is_err(), "a finished request hears nothing more");
+    }
+
+    /// Fuzzing the plugin frame reader: whatever arrives on the socket, the reader never
+    /// panics, never hands on a block larger than its request accepts, and never a tensor
+    /// outside its payload.
+    mod fuzz {
+        use proptest::prelude::*;
+
+        use super::*;
+
+        const LIMIT: usize = 4096;
+
+        /// Reads every message of `bytes` (an in-memory slice: the reader never waits).
+        fn check(bytes: &[u8]) -> Result<(), TestCaseError> {
+            let runtime = tokio::runtime::Builder::new_current_thread().build().unwrap();
+            runtime.block_on(async {
+                let mut reader = bytes;
+                // Each message either parses within its bounds or ends the connection with an error.
+                while let Ok(Some((_, event))) = read_message(&mut reader, |id| (id == "r").then_some(LIMIT)).await {
+                    if let PluginEvent::Block { tensors, payload, .. } = event {
+                        prop_assert!(payload.len() <= LIMIT);
+                        for t in tensors {
+                            prop_assert!(t.offset + t.nbytes <= payload.len());
+                        }
+                    }
+                }
+                Ok(())
+            })
+        }
+
+        fn block_frame() -> impl Strategy<Value = Vec<u8>> {
+            let id = prop_oneof![Just("r".to_owned()), Just("gone".to_owned()), "[a-z]{0,3}"];
+            (id, 0usize..2 * LIMIT, 0usize..LIMIT, 0usize..LIMIT, 0usize..64).prop_map(
+                |(request_id, payload_bytes, offset, nbytes, sent)| {
+                    let tensor = serde_json::json!({"layer": 0, "name": "k", "dtype": "F32", "shape": [1], "offset": offset, "nbytes": nbytes});
+                    let header = serde_json::json!({"type": "block", "request_id": request_id, "block_index": 0, "payload_bytes": payload_bytes, "tensors": [tensor]});
+                    frame(header, &vec![1u8; sent.min(payload_bytes)])
+                },
+            )
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig { cases: 1024, ..ProptestConfig::default() })]
+
+            #[test]
+            fn arbitrary_bytes_never_panic(bytes in prop::collection::vec(any::<u8>(), 0..512)) {
+                check(&bytes)?;
+            }
+
+            #[test]
+            fn hostile_block_frames_stay_in_bounds(frames in prop::collection::vec(block_frame(), 1..6), cut in any::<prop::sample::Index>()) {
+                let mut bytes: Vec<u8> = frames.concat();
+                // A connection may also end anywhere.
+                let keep = cut.index(bytes.len() + 1);
+                bytes.truncate(keep);
+                check(&bytes)?;
+            }
+        }
     }
 }

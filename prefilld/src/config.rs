@@ -2,7 +2,10 @@
 
 use std::{collections::BTreeMap, path::PathBuf, time::Duration};
 
-use pdbridge_common::config::{ConfigError, LogConfig, ServerConfig, Validate};
+use pdbridge_common::{
+    config::{ConfigError, LogConfig, ServerConfig, Validate},
+    tls::{self, TlsConfig},
+};
 use serde::Deserialize;
 
 #[derive(Clone, Debug, Deserialize)]
@@ -14,17 +17,57 @@ pub struct Config {
     /// The prefill engine. Without it prefilld serves nothing but health,
     /// which stays NOT_SERVING.
     pub engine: Option<EngineConfig>,
-    /// The decoder whose spec prefilld loads at start (health is SERVING only
-    /// once it is loaded). Prefill requests may name other decoders.
-    pub decoder: Option<DecoderConfig>,
+    /// The decoders prefilld may push to; it dials no other address. The
+    /// first is met at start (health is SERVING only once its spec is
+    /// loaded) and serves requests that name no decoder.
+    #[serde(default)]
+    pub decoders: Vec<DecoderConfig>,
+    #[serde(default)]
+    pub handshake: HandshakeConfig,
     #[serde(default)]
     pub stream: StreamConfig,
+    /// Mutual TLS for Prefiller (and for dialing decoders); `tls.peers` are
+    /// the decoders allowed to start a prefill.
+    pub tls: Option<TlsConfig>,
+}
+
+impl Config {
+    /// Config keys of listeners other hosts can reach with nothing checking
+    /// who calls (only possible with `server.insecure`).
+    pub fn insecure_listeners(&self) -> Vec<&'static str> {
+        match self.exposure() {
+            Ok(true) => vec!["server.grpc_listen"],
+            _ => Vec::new(),
+        }
+    }
+
+    fn exposure(&self) -> Result<bool, ConfigError> {
+        self.server.check_exposure(
+            "server.grpc_listen",
+            self.server.grpc_listen,
+            self.tls.is_some(),
+            "no [tls] is configured (see `pdbridge certs`)",
+        )
+    }
 }
 
 impl Validate for Config {
     fn validate(&self) -> Result<(), ConfigError> {
         self.server.validate()?;
         self.stream.validate()?;
+        self.handshake.validate()?;
+        if let Some(tls) = &self.tls {
+            tls.validate()?;
+        }
+        self.exposure()?;
+        for decoder in &self.decoders {
+            tls::check_scheme("decoders.addr", &decoder.addr, self.tls.is_some())?;
+            if let Some(name) = &decoder.name
+                && !tls::is_identity(name)
+            {
+                return Err(ConfigError::invalid("decoders.name", format!("{name:?} is not a DNS-style name")));
+            }
+        }
         if let Some(engine) = &self.engine {
             engine.validate()?;
         }
@@ -107,8 +150,40 @@ fn default_restart_backoff() -> Duration {
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct DecoderConfig {
-    /// gRPC address of decoded's CacheStore, e.g. "http://mac.lan:7070".
+    /// gRPC address of decoded's CacheStore, e.g. "https://mac.lan:7070".
     pub addr: String,
+    /// The identity its certificate must hold (default: the host of `addr`).
+    pub name: Option<String>,
+}
+
+/// Meeting a decoder: what prefilld accepts from it.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct HandshakeConfig {
+    /// Longest a meeting (spec and bundle download) may take.
+    #[serde(with = "humantime_serde")]
+    pub timeout: Duration,
+    /// Largest reconstruction bundle accepted from a decoder.
+    pub max_bundle_bytes: u64,
+}
+
+impl Default for HandshakeConfig {
+    fn default() -> Self {
+        // A 70B-class decoder's k/v projections and norms in bf16 are ~3 GB.
+        HandshakeConfig { timeout: Duration::from_secs(600), max_bundle_bytes: 16 << 30 }
+    }
+}
+
+impl Validate for HandshakeConfig {
+    fn validate(&self) -> Result<(), ConfigError> {
+        if self.timeout.is_zero() {
+            return Err(ConfigError::invalid("handshake.timeout", "must be greater than zero"));
+        }
+        if self.max_bundle_bytes == 0 {
+            return Err(ConfigError::invalid("handshake.max_bundle_bytes", "must be greater than zero"));
+        }
+        Ok(())
+    }
 }
 
 /// The shard stream to decoders.

@@ -146,10 +146,27 @@ impl ModelProfile {
     }
 }
 
-/// Handle to the running vLLM server (its base URL while ready).
+/// Where a running vLLM answers, and the key it was started with: random at
+/// every start and passed in its environment (never on its command line, which
+/// other local users can read), so nothing else on the host can submit to it.
+#[derive(Clone, Debug)]
+pub struct Served {
+    base_url: String,
+    api_key: String,
+}
+
+impl Served {
+    fn new(port: u16) -> Result<Self, EngineError> {
+        let mut key = [0u8; 32];
+        getrandom::fill(&mut key).map_err(|e| EngineError::Failed(format!("no randomness for vLLM's key: {e}")))?;
+        Ok(Served { base_url: format!("http://127.0.0.1:{port}"), api_key: pdbridge_common::spec::hex(&key) })
+    }
+}
+
+/// Handle to the running vLLM server (where it answers while ready).
 #[derive(Clone)]
 pub struct Vllm {
-    base_url: watch::Receiver<Option<String>>,
+    served: watch::Receiver<Option<Served>>,
     http: reqwest::Client,
     pub profile: ModelProfile,
 }
@@ -163,18 +180,18 @@ pub struct CompletionReply {
 
 impl Vllm {
     pub fn is_ready(&self) -> bool {
-        self.base_url.borrow().is_some()
+        self.served.borrow().is_some()
     }
 
-    /// A watch that is true while vLLM is ready.
-    pub fn ready_changes(&self) -> watch::Receiver<Option<String>> {
-        self.base_url.clone()
+    /// A watch that is `Some` while vLLM is ready.
+    pub fn ready_changes(&self) -> watch::Receiver<Option<Served>> {
+        self.served.clone()
     }
 
     /// Prefills `tokens` (one output token) with the plugin's per-request
     /// parameters; returns when vLLM has finished the request.
     pub async fn prefill(&self, tokens: &[u32], pdbridge: serde_json::Value) -> Result<CompletionReply, EngineError> {
-        let base = self.base_url.borrow().clone().ok_or(EngineError::NotReady)?;
+        let served = self.served.borrow().clone().ok_or(EngineError::NotReady)?;
         let body = serde_json::json!({
             "model": SERVED_MODEL,
             "prompt": tokens,
@@ -184,7 +201,8 @@ impl Vllm {
         });
         let response = self
             .http
-            .post(format!("{base}/v1/completions"))
+            .post(format!("{}/v1/completions", served.base_url))
+            .bearer_auth(&served.api_key)
             .json(&body)
             .send()
             .await
@@ -207,7 +225,7 @@ pub fn supervise(
 ) -> Result<(Vllm, tokio::task::JoinHandle<()>), EngineError> {
     let profile = ModelProfile::read(&config.model)?;
     let (url_tx, url_rx) = watch::channel(None);
-    let vllm = Vllm { base_url: url_rx, http: reqwest::Client::new(), profile: profile.clone() };
+    let vllm = Vllm { served: url_rx, http: reqwest::Client::new(), profile: profile.clone() };
     let task = tokio::spawn(async move {
         let on_down = || {
             url_tx.send_replace(None);
@@ -221,18 +239,20 @@ pub fn supervise(
 async fn run_once(
     config: &EngineConfig,
     num_layers: u32,
-    url_tx: &watch::Sender<Option<String>>,
+    url_tx: &watch::Sender<Option<Served>>,
     stop: &CancellationToken,
 ) -> Result<(), EngineError> {
     let port = match config.port {
         0 => free_port()?,
         port => port,
     };
+    let served = Served::new(port)?;
     let mut child = command(config, num_layers, port)
+        .env("VLLM_API_KEY", &served.api_key)
         .spawn()
         .map_err(|e| EngineError::Failed(format!("spawn {}: {e}", config.python.display())))?;
     let leader = child.id();
-    let base = format!("http://127.0.0.1:{port}");
+    let base = served.base_url.clone();
     let http = reqwest::Client::new();
     let started = tokio::time::Instant::now();
     loop {
@@ -256,7 +276,7 @@ async fn run_once(
         }
     }
     tracing::info!(url = %base, startup = ?started.elapsed(), "prefill engine ready");
-    url_tx.send_replace(Some(base));
+    url_tx.send_replace(Some(served));
     process::mark_up(ENGINE);
     tokio::select! {
         _ = stop.cancelled() => {

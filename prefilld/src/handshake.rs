@@ -15,12 +15,16 @@ use pdbridge_common::{
     config::Http2Config,
     proto::{CacheSpec, GetBundleRequest, GetSpecRequest, cache_store_client::CacheStoreClient},
     spec,
+    tls::{self, Tls},
 };
 use sha2::{Digest, Sha256};
 use tokio::io::AsyncWriteExt;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 
-use crate::engine::ModelProfile;
+use crate::{
+    config::{DecoderConfig, HandshakeConfig},
+    engine::ModelProfile,
+};
 
 #[derive(Debug, thiserror::Error)]
 pub enum HandshakeError {
@@ -89,28 +93,71 @@ pub fn mismatches(profile: &ModelProfile, spec: &CacheSpec) -> Vec<String> {
     out
 }
 
-/// Decoders met so far, by address.
+/// The configured decoders, and those met so far.
 pub struct Decoders {
     profile: ModelProfile,
     bundle_dir: PathBuf,
     http2: Http2Config,
     connections: usize,
+    tls: Option<Tls>,
+    limits: HandshakeConfig,
+    /// Every decoder prefilld may dial, by address, each with the lock that
+    /// lets one meeting at a time talk to it.
+    configured: HashMap<String, (DecoderConfig, tokio::sync::Mutex<()>)>,
     met: Mutex<HashMap<String, Arc<Decoder>>>,
 }
 
+/// What the handshake needs besides the model: where bundles go, how to dial.
+pub struct DialConfig {
+    pub bundle_dir: PathBuf,
+    pub http2: Http2Config,
+    /// How many connections each decoder's Push streams are striped over.
+    pub connections: usize,
+    pub tls: Option<Tls>,
+    pub limits: HandshakeConfig,
+    pub decoders: Vec<DecoderConfig>,
+}
+
 impl Decoders {
-    /// `connections`: how many connections each decoder's Push streams are
-    /// striped over.
-    pub fn new(profile: ModelProfile, bundle_dir: PathBuf, http2: Http2Config, connections: usize) -> Self {
-        Decoders { profile, bundle_dir, http2, connections, met: Mutex::new(HashMap::new()) }
+    pub fn new(profile: ModelProfile, dial: DialConfig) -> Self {
+        let configured =
+            dial.decoders.into_iter().map(|d| (d.addr.clone(), (d, tokio::sync::Mutex::new(())))).collect();
+        Decoders {
+            profile,
+            bundle_dir: dial.bundle_dir,
+            http2: dial.http2,
+            connections: dial.connections,
+            tls: dial.tls,
+            limits: dial.limits,
+            configured,
+            met: Mutex::new(HashMap::new()),
+        }
     }
 
-    /// The decoder at `addr`, meeting it first if needed.
+    /// The decoder at `addr`, meeting it first if needed. Only configured
+    /// decoders are ever dialed; one meeting per decoder runs at a time.
     pub async fn get(&self, addr: &str) -> Result<Arc<Decoder>, HandshakeError> {
         if let Some(decoder) = self.met.lock().unwrap().get(addr) {
             return Ok(decoder.clone());
         }
-        let decoder = Arc::new(self.meet(addr).await?);
+        let Some((config, meeting)) = self.configured.get(addr) else {
+            return Err(HandshakeError::Unreachable {
+                addr: addr.to_owned(),
+                message: "not a configured decoder".into(),
+            });
+        };
+        let _meeting = meeting.lock().await;
+        // Whoever held the lock may have met it meanwhile.
+        if let Some(decoder) = self.met.lock().unwrap().get(addr) {
+            return Ok(decoder.clone());
+        }
+        let met = tokio::time::timeout(self.limits.timeout, self.meet(config)).await.unwrap_or_else(|_| {
+            Err(HandshakeError::Unreachable {
+                addr: addr.to_owned(),
+                message: format!("no spec and bundle within handshake.timeout ({:?})", self.limits.timeout),
+            })
+        });
+        let decoder = Arc::new(met?);
         self.met.lock().unwrap().insert(addr.to_owned(), decoder.clone());
         Ok(decoder)
     }
@@ -139,16 +186,17 @@ impl Decoders {
         self.met.lock().unwrap().remove(addr);
     }
 
-    async fn meet(&self, addr: &str) -> Result<Decoder, HandshakeError> {
+    async fn meet(&self, config: &DecoderConfig) -> Result<Decoder, HandshakeError> {
+        let addr = config.addr.as_str();
         let unreachable = |message: String| HandshakeError::Unreachable { addr: addr.to_owned(), message };
-        let endpoint = Endpoint::from_shared(addr.to_owned())
-            .map_err(|e| unreachable(e.to_string()))?
+        let endpoint = tls::endpoint(addr, self.tls.as_ref(), config.name.as_deref())
+            .map_err(unreachable)?
             .tcp_nodelay(true)
             .initial_stream_window_size(self.http2.stream_window_bytes)
             .initial_connection_window_size(self.http2.connection_window_bytes);
         let mut push_clients = Vec::with_capacity(self.connections);
         for _ in 0..self.connections {
-            let channel = endpoint.connect().await.map_err(|e| unreachable(e.to_string()))?;
+            let channel = endpoint.connect().await.map_err(|e| unreachable(pdbridge_common::error_chain(&e)))?;
             push_clients.push(
                 CacheStoreClient::new(channel)
                     .max_decoding_message_size(self.http2.max_message_bytes)
@@ -158,11 +206,13 @@ impl Decoders {
         let mut client = push_clients[0].clone();
         let spec =
             client.get_spec(GetSpecRequest {}).await.map_err(|s| unreachable(s.message().to_owned()))?.into_inner();
+        let malformed =
+            |what: &str| HandshakeError::SpecMismatch { addr: addr.to_owned(), mismatches: vec![what.into()] };
+        if !spec::is_fingerprint(&spec.spec_fingerprint) || !spec::is_fingerprint(&spec.weights_fingerprint) {
+            return Err(malformed("spec or weights fingerprint is not 64 hex digits"));
+        }
         if spec::fingerprint(&spec) != spec.spec_fingerprint {
-            return Err(HandshakeError::SpecMismatch {
-                addr: addr.to_owned(),
-                mismatches: vec!["spec fingerprint does not match its contents".into()],
-            });
+            return Err(malformed("spec fingerprint does not match its contents"));
         }
         let layers = spec::unsupported(&spec);
         if !layers.is_empty() {
@@ -181,8 +231,11 @@ impl Decoders {
     }
 
     /// Streams the bundle to `<bundle_dir>/<sha256>.safetensors` (kept across
-    /// restarts: the name is its checksum) and verifies it.
+    /// restarts: the name is its checksum) and verifies it. The size is
+    /// announced up front and held to `handshake.max_bundle_bytes`; whatever
+    /// goes wrong, no partial file stays behind.
     async fn fetch_bundle(&self, client: &mut CacheStoreClient<Channel>, spec: &CacheSpec) -> Result<PathBuf, String> {
+        // `weights_fingerprint` is 64 hex digits (checked by the caller): a plain file name.
         let path = self.bundle_dir.join(format!("{}.safetensors", spec.weights_fingerprint));
         if path.is_file() {
             return Ok(path);
@@ -190,26 +243,79 @@ impl Decoders {
         tokio::fs::create_dir_all(&self.bundle_dir).await.map_err(|e| e.to_string())?;
         let request = GetBundleRequest { spec_fingerprint: spec.spec_fingerprint.clone() };
         let mut chunks = client.get_bundle(request).await.map_err(|s| s.message().to_owned())?.into_inner();
-        let tmp = path.with_extension("partial");
-        let mut file = tokio::fs::File::create(&tmp).await.map_err(|e| e.to_string())?;
         let mut hasher = Sha256::new();
         let mut written = 0u64;
+        let mut total = None;
+        // Created once the first chunk's announced size is accepted.
+        let mut out: Option<(Partial, tokio::io::BufWriter<tokio::fs::File>)> = None;
         while let Some(chunk) = chunks.message().await.map_err(|s| s.message().to_owned())? {
+            let announced = *total.get_or_insert(chunk.total_bytes);
+            if chunk.total_bytes != announced {
+                return Err(format!("total_bytes changed from {announced} to {}", chunk.total_bytes));
+            }
+            if announced > self.limits.max_bundle_bytes {
+                return Err(format!(
+                    "bundle of {announced} bytes exceeds handshake.max_bundle_bytes ({})",
+                    self.limits.max_bundle_bytes
+                ));
+            }
             if chunk.offset != written {
                 return Err(format!("chunk at {} where {written} was expected", chunk.offset));
             }
+            if written + chunk.data.len() as u64 > announced {
+                return Err(format!("more than the announced {announced} bytes"));
+            }
+            let (_, file) = match &mut out {
+                Some(out) => out,
+                None => {
+                    let (partial, file) = Partial::create(path.with_extension("partial")).await?;
+                    out.insert((partial, tokio::io::BufWriter::new(file)))
+                }
+            };
             hasher.update(&chunk.data);
             file.write_all(&chunk.data).await.map_err(|e| e.to_string())?;
             written += chunk.data.len() as u64;
         }
-        file.sync_all().await.map_err(|e| e.to_string())?;
+        let (Some((partial, mut file)), Some(total)) = (out, total) else { return Err("an empty bundle".into()) };
+        if written != total {
+            return Err(format!("{written} bytes received of {total}"));
+        }
+        file.flush().await.map_err(|e| e.to_string())?;
+        file.get_ref().sync_all().await.map_err(|e| e.to_string())?;
         let digest = spec::hex(&hasher.finalize());
         if digest != spec.weights_fingerprint {
-            let _ = tokio::fs::remove_file(&tmp).await;
             return Err(format!("checksum {digest} does not match the spec's {}", spec.weights_fingerprint));
         }
-        tokio::fs::rename(&tmp, &path).await.map_err(|e| e.to_string())?;
+        partial.commit(&path).await?;
         Ok(path)
+    }
+}
+
+/// A download in progress, removed unless committed under its final name.
+struct Partial {
+    path: PathBuf,
+    committed: bool,
+}
+
+impl Partial {
+    /// Truncates a leftover of a crashed run.
+    async fn create(path: PathBuf) -> Result<(Self, tokio::fs::File), String> {
+        let file = tokio::fs::File::create(&path).await.map_err(|e| format!("{}: {e}", path.display()))?;
+        Ok((Partial { path, committed: false }, file))
+    }
+
+    async fn commit(mut self, to: &std::path::Path) -> Result<(), String> {
+        tokio::fs::rename(&self.path, to).await.map_err(|e| e.to_string())?;
+        self.committed = true;
+        Ok(())
+    }
+}
+
+impl Drop for Partial {
+    fn drop(&mut self) {
+        if !self.committed {
+            let _ = std::fs::remove_file(&self.path);
+        }
     }
 }
 
@@ -299,5 +405,203 @@ mod tests {
         spec.layers[1].rope.as_mut().unwrap().scaling.insert("factor".into(), 4.0);
         let found = mismatches(&scaled, &spec);
         assert!(found.len() == 1 && found[0].starts_with("layer 1 rope scaling"), "{found:?}");
+    }
+
+    /// A decoder that lies: the spec and bundle chunks it serves are the test's.
+    mod hostile {
+        use std::pin::Pin;
+
+        use pdbridge_common::proto::{
+            BundleChunk, CacheKind, DecoderCode, Dtype, LookupRequest, LookupResponse, PushFrame, PushReceipt,
+            TensorSpec,
+            cache_store_server::{CacheStore, CacheStoreServer},
+        };
+        use tokio_stream::Stream;
+        use tonic::{Request, Response, Status, Streaming};
+
+        use super::*;
+
+        pub struct Hostile {
+            pub spec: CacheSpec,
+            pub chunks: Vec<BundleChunk>,
+            /// Never end the bundle stream after the chunks.
+            pub stall: bool,
+        }
+
+        type Chunks = Pin<Box<dyn Stream<Item = Result<BundleChunk, Status>> + Send>>;
+
+        #[tonic::async_trait]
+        impl CacheStore for Hostile {
+            async fn get_spec(&self, _: Request<GetSpecRequest>) -> Result<Response<CacheSpec>, Status> {
+                Ok(Response::new(self.spec.clone()))
+            }
+            type GetBundleStream = Chunks;
+            async fn get_bundle(&self, _: Request<GetBundleRequest>) -> Result<Response<Chunks>, Status> {
+                let chunks = tokio_stream::iter(self.chunks.clone().into_iter().map(Ok));
+                let stream: Chunks = if self.stall {
+                    Box::pin(tokio_stream::StreamExt::chain(chunks, tokio_stream::pending()))
+                } else {
+                    Box::pin(chunks)
+                };
+                Ok(Response::new(stream))
+            }
+            async fn lookup(&self, _: Request<LookupRequest>) -> Result<Response<LookupResponse>, Status> {
+                Err(Status::unimplemented("not in this test"))
+            }
+            async fn push(&self, _: Request<Streaming<PushFrame>>) -> Result<Response<PushReceipt>, Status> {
+                Err(Status::unimplemented("not in this test"))
+            }
+        }
+
+        /// A spec prefilld would accept, for `weights` as the bundle's fingerprint.
+        pub fn spec(weights: &str) -> CacheSpec {
+            let mut spec = matching_spec();
+            spec.decoder_code = Some(DecoderCode::default());
+            spec.block_tokens = 16;
+            for layer in &mut spec.layers {
+                layer.set_kind(CacheKind::Rows);
+                layer.tensors = vec![TensorSpec {
+                    name: "keys".into(),
+                    dtype: Dtype::F32 as i32,
+                    shape: vec![1, 3, 1, 64],
+                    token_axis: 2,
+                }];
+            }
+            spec.weights_fingerprint = weights.to_owned();
+            spec.spec_fingerprint = spec::fingerprint(&spec);
+            spec
+        }
+
+        /// Serves `hostile` on a loopback port; its address.
+        pub async fn serve(hostile: Hostile) -> String {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let addr = listener.local_addr().unwrap();
+            tokio::spawn(
+                tonic::transport::Server::builder()
+                    .add_service(CacheStoreServer::new(hostile))
+                    .serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener)),
+            );
+            format!("http://{addr}")
+        }
+    }
+
+    struct Meeting {
+        decoders: Decoders,
+        addr: String,
+        dir: PathBuf,
+    }
+
+    impl Drop for Meeting {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+
+    impl Meeting {
+        fn files(&self) -> Vec<String> {
+            let listing = std::fs::read_dir(self.dir.join("bundles")).map(|entries| {
+                entries.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect::<Vec<_>>()
+            });
+            listing.unwrap_or_default()
+        }
+    }
+
+    async fn meet(hostile: hostile::Hostile, limits: HandshakeConfig) -> (Meeting, Result<(), HandshakeError>) {
+        static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let dir = std::env::temp_dir().join(format!("pdb-handshake-{}-{n}", std::process::id()));
+        let addr = hostile::serve(hostile).await;
+        let dial = DialConfig {
+            bundle_dir: dir.join("bundles"),
+            http2: Http2Config::default(),
+            connections: 1,
+            tls: None,
+            limits,
+            decoders: vec![DecoderConfig { addr: addr.clone(), name: None }],
+        };
+        let meeting = Meeting { decoders: Decoders::new(profile(), dial), addr, dir };
+        let met = meeting.decoders.get(&meeting.addr).await.map(drop);
+        (meeting, met)
+    }
+
+    fn chunk(offset: u64, total_bytes: u64, data: &[u8]) -> BundleChunk {
+        BundleChunk { offset, total_bytes, data: data.to_vec().into(), sha256: String::new() }
+    }
+
+    fn sha(data: &[u8]) -> String {
+        spec::hex(&Sha256::digest(data))
+    }
+
+    use pdbridge_common::proto::BundleChunk;
+
+    #[tokio::test]
+    async fn a_path_in_the_weights_fingerprint_is_refused_before_any_file_is_written() {
+        let escape = std::env::temp_dir().join(format!("pdb-escape-{}", std::process::id()));
+        let weights = format!("../../../../../../..{}", escape.display());
+        let hostile =
+            hostile::Hostile { spec: hostile::spec(&weights), chunks: vec![chunk(0, 3, b"bad")], stall: false };
+        let (meeting, met) = meet(hostile, HandshakeConfig::default()).await;
+        let err = met.unwrap_err();
+        assert!(err.to_string().contains("not 64 hex digits"), "{err}");
+        assert!(meeting.files().is_empty());
+        assert!(!escape.exists() && !escape.with_extension("partial").exists());
+    }
+
+    #[tokio::test]
+    async fn a_bundle_over_the_cap_or_its_announced_size_leaves_no_file() {
+        let data = vec![7u8; 1000];
+        let limits = HandshakeConfig { max_bundle_bytes: 999, ..Default::default() };
+        let oversized =
+            hostile::Hostile { spec: hostile::spec(&sha(&data)), chunks: vec![chunk(0, 1000, &data)], stall: false };
+        let (meeting, met) = meet(oversized, limits).await;
+        assert!(met.unwrap_err().to_string().contains("exceeds handshake.max_bundle_bytes"));
+        assert!(meeting.files().is_empty(), "{:?}", meeting.files());
+
+        let overflowing = hostile::Hostile {
+            spec: hostile::spec(&sha(&data)),
+            chunks: vec![chunk(0, 600, &data[..600]), chunk(600, 600, &data[600..])],
+            stall: false,
+        };
+        let (meeting, met) = meet(overflowing, HandshakeConfig::default()).await;
+        assert!(met.unwrap_err().to_string().contains("more than the announced 600 bytes"));
+        assert!(meeting.files().is_empty(), "{:?}", meeting.files());
+
+        let short = hostile::Hostile {
+            spec: hostile::spec(&sha(&data)),
+            chunks: vec![chunk(0, 1000, &data[..10])],
+            stall: false,
+        };
+        let (meeting, met) = meet(short, HandshakeConfig::default()).await;
+        assert!(met.unwrap_err().to_string().contains("10 bytes received of 1000"));
+        assert!(meeting.files().is_empty(), "{:?}", meeting.files());
+
+        let forged =
+            hostile::Hostile { spec: hostile::spec(&sha(b"other")), chunks: vec![chunk(0, 1000, &data)], stall: false };
+        let (meeting, met) = meet(forged, HandshakeConfig::default()).await;
+        assert!(met.unwrap_err().to_string().contains("does not match the spec's"));
+        assert!(meeting.files().is_empty(), "{:?}", meeting.files());
+
+        let honest =
+            hostile::Hostile { spec: hostile::spec(&sha(&data)), chunks: vec![chunk(0, 1000, &data)], stall: false };
+        let (meeting, met) = meet(honest, HandshakeConfig::default()).await;
+        met.unwrap();
+        assert_eq!(meeting.files(), [format!("{}.safetensors", sha(&data))]);
+    }
+
+    #[tokio::test]
+    async fn a_decoder_that_stalls_the_handshake_is_given_up_on() {
+        let data = vec![7u8; 100];
+        let limits = HandshakeConfig { timeout: std::time::Duration::from_millis(300), ..Default::default() };
+        let stalling = hostile::Hostile {
+            spec: hostile::spec(&sha(&data)),
+            chunks: vec![chunk(0, 100, &data[..50])],
+            stall: true,
+        };
+        let (meeting, met) = meet(stalling, limits).await;
+        assert!(met.unwrap_err().to_string().contains("handshake.timeout"));
+        assert!(meeting.files().is_empty(), "{:?}", meeting.files());
+        // Only configured decoders are ever dialed.
+        let err = meeting.decoders.get("http://127.0.0.1:9").await.err().unwrap();
+        assert!(err.to_string().contains("not a configured decoder"), "{err}");
     }
 }

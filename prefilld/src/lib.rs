@@ -15,11 +15,12 @@ use pdbridge_common::{
     proto::prefiller_server::PrefillerServer,
     readiness::Readiness,
     telemetry,
+    tls::{Peers, Tls},
 };
 use std::sync::Arc;
 
 use capture::Router;
-use handshake::Decoders;
+use handshake::{Decoders, DialConfig};
 use prefill::Bridge;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
@@ -62,9 +63,11 @@ impl Daemon for Prefilld {
 pub async fn serve(listeners: Listeners, config: Config, shutdown: Shutdown) -> anyhow::Result<()> {
     telemetry::record_build_info(Prefilld::NAME);
     register_metrics();
+    telemetry::record_insecure(&config.insecure_listeners());
+    let tls = config.tls.as_ref().map(Tls::load).transpose()?;
     let stop = daemon::cancel_on(shutdown);
     let readiness = Readiness::new();
-    let default_decoder = config.decoder.as_ref().map(|d| d.addr.clone());
+    let default_decoder = config.decoders.first().map(|d| d.addr.clone());
     // vLLM and the plugin socket outlive the drain: in-flight prefills need them.
     let engine_stop = CancellationToken::new();
     let mut engine_task = None;
@@ -82,8 +85,15 @@ pub async fn serve(listeners: Listeners, config: Config, shutdown: Shutdown) -> 
             let bundle_dir = engine.bundle_dir.clone();
             let (vllm, task) = engine::supervise(engine, engine_stop.clone())?;
             engine_task = Some(task);
-            let decoders =
-                Decoders::new(vllm.profile.clone(), bundle_dir, config.server.http2.clone(), config.stream.connections);
+            let dial = DialConfig {
+                bundle_dir,
+                http2: config.server.http2.clone(),
+                connections: config.stream.connections,
+                tls: tls.clone(),
+                limits: config.handshake.clone(),
+                decoders: config.decoders.clone(),
+            };
+            let decoders = Decoders::new(vllm.profile.clone(), dial);
             let link = prefill::Link::new(config.stream.link_gbps);
             let bridge = Arc::new(Bridge { vllm, decoders, router, stream: config.stream.clone(), link });
             tokio::spawn(track_readiness(bridge.clone(), default_decoder.clone(), readiness.clone(), stop.clone()));
@@ -94,7 +104,9 @@ pub async fn serve(listeners: Listeners, config: Config, shutdown: Shutdown) -> 
             None
         }
     };
-    let prefiller = PrefillerServer::new(service::PrefillerService::new(bridge, default_decoder))
+    let peers = tls.as_ref().map_or_else(Peers::open, Tls::peers);
+    let addrs = config.decoders.iter().map(|d| d.addr.clone()).collect();
+    let prefiller = PrefillerServer::new(service::PrefillerService::new(bridge, addrs, peers))
         .max_decoding_message_size(config.server.http2.max_message_bytes)
         .max_encoding_message_size(config.server.http2.max_message_bytes);
     tracing::info!(
@@ -107,6 +119,7 @@ pub async fn serve(listeners: Listeners, config: Config, shutdown: Shutdown) -> 
         admin: listeners.admin,
         routes: tonic::service::Routes::new(prefiller),
         admin_routes: axum::Router::new(),
+        tls,
     };
     daemon::serve_rpc(rpc, &config.server, &readiness, SERVICES, stop).await?;
     engine_stop.cancel();

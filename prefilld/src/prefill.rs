@@ -12,13 +12,13 @@ use pdbridge_common::{
         outcome::Status as OutcomeStatus, prefill_event::Event, push_frame::Frame,
     },
     shard::{self, TensorId},
-    telemetry,
+    spec, telemetry,
 };
 use tokio::{sync::mpsc, task::JoinHandle, time::Instant};
 use tokio_stream::wrappers::ReceiverStream;
 
 use crate::{
-    capture::{PluginEvent, Router, TensorSlice},
+    capture::{PluginEvent, Registration, Router, TensorSlice},
     config::StreamConfig,
     engine::Vllm,
     handshake::{Decoder, Decoders},
@@ -67,8 +67,11 @@ pub struct Bridge {
 pub struct Job {
     pub request_id: String,
     pub token_ids: Vec<u32>,
+    /// One of the configured decoders.
     pub decoder_addr: String,
     pub first_block: Option<u32>,
+    /// The plugin's messages for `request_id`, reserved for this job alone.
+    pub registration: Registration,
 }
 
 /// A failure that ends a prefill with an outcome rather than a gRPC error.
@@ -83,10 +86,10 @@ fn fail(reason: &'static str, message: impl Into<String>) -> Failure {
 
 impl Bridge {
     /// Runs `job`, sending progress and then one outcome to `events`.
-    pub async fn run(self: Arc<Self>, job: Job, events: mpsc::Sender<PrefillEvent>) {
+    pub async fn run(self: Arc<Self>, mut job: Job, events: mpsc::Sender<PrefillEvent>) {
         let started = Instant::now();
         let _in_flight = telemetry::InFlight::enter("pdbridge_prefill_in_flight");
-        let outcome = match self.bridge(&job, &events).await {
+        let outcome = match self.bridge(&mut job, &events).await {
             Ok(outcome) => outcome,
             Err(failure) => {
                 tracing::warn!(
@@ -122,8 +125,9 @@ impl Bridge {
         let _ = events.send(PrefillEvent { event: Some(Event::Outcome(outcome)) }).await;
     }
 
-    async fn bridge(&self, job: &Job, events: &mpsc::Sender<PrefillEvent>) -> Result<Outcome, Failure> {
+    async fn bridge(&self, job: &mut Job, events: &mpsc::Sender<PrefillEvent>) -> Result<Outcome, Failure> {
         let decoder = self.decoders.get(&job.decoder_addr).await.map_err(|e| fail(e.reason(), e.to_string()))?;
+        spec::check_tokens(&decoder.spec, &job.token_ids).map_err(|problem| fail("bad_request", problem))?;
         let b = decoder.spec.block_tokens;
         let whole_blocks = job.token_ids.len() as u32 / b;
         let first_block = match job.first_block {
@@ -140,7 +144,8 @@ impl Bridge {
         }
         let num_blocks = whole_blocks - first_block;
         let prompt = &job.token_ids[..(whole_blocks * b) as usize];
-        let mut registration = self.router.register(&job.request_id, self.stream.queue_frames);
+        let registration = &mut job.registration;
+        registration.expect_blocks((spec::bytes_per_token(&decoder.spec) * b as u64) as usize);
 
         // The Push streams to the decoder, fed as blocks arrive.
         let open = PushOpen {

@@ -3,7 +3,11 @@
 
 use std::{pin::Pin, sync::Arc};
 
-use pdbridge_common::proto::{PrefillEvent, PrefillRequest, prefiller_server::Prefiller};
+use pdbridge_common::{
+    proto::{PrefillEvent, PrefillRequest, prefiller_server::Prefiller},
+    request_id,
+    tls::Peers,
+};
 use tokio::sync::mpsc;
 use tokio_stream::{Stream, StreamExt, wrappers::ReceiverStream};
 use tonic::{Request, Response, Status};
@@ -13,13 +17,15 @@ use crate::prefill::{Bridge, Job};
 pub struct PrefillerService {
     /// None when no engine is configured: every call is UNAVAILABLE.
     bridge: Option<Arc<Bridge>>,
-    /// Used when a request names no decoder.
-    default_decoder: Option<String>,
+    /// The configured decoders' addresses, the first used when a request names none.
+    decoders: Vec<String>,
+    /// Only the decoders in `tls.peers` may start a prefill.
+    peers: Peers,
 }
 
 impl PrefillerService {
-    pub fn new(bridge: Option<Arc<Bridge>>, default_decoder: Option<String>) -> Self {
-        Self { bridge, default_decoder }
+    pub fn new(bridge: Option<Arc<Bridge>>, decoders: Vec<String>, peers: Peers) -> Self {
+        Self { bridge, decoders, peers }
     }
 }
 
@@ -37,26 +43,50 @@ impl Prefiller for PrefillerService {
     type PrefillStream = EventStream;
 
     async fn prefill(&self, request: Request<PrefillRequest>) -> Result<Response<EventStream>, Status> {
+        self.peers.authorized(&request).map_err(refuse)?;
+        let request = request.into_inner();
+        // A caller never chooses where prefilld connects: only configured decoders.
+        let decoder_addr = match (request.decoder_addr.is_empty(), self.decoders.first()) {
+            (true, Some(first)) => first.clone(),
+            (true, None) => return Err(refuse(Status::failed_precondition("no [[decoders]] are configured"))),
+            (false, _) if self.decoders.contains(&request.decoder_addr) => request.decoder_addr,
+            (false, _) => {
+                return Err(refuse(Status::permission_denied(format!(
+                    "decoder_addr {:?} is not one of prefilld's [[decoders]]",
+                    request.decoder_addr
+                ))));
+            }
+        };
         let bridge = match &self.bridge {
             Some(bridge) if bridge.vllm.is_ready() => bridge.clone(),
             _ => return Err(refuse(Status::unavailable("prefill engine is not ready"))),
         };
-        let request = request.into_inner();
         if request.token_ids.is_empty() {
             return Err(refuse(Status::invalid_argument("token_ids is empty")));
         }
-        let decoder_addr = match (request.decoder_addr.is_empty(), &self.default_decoder) {
-            (false, _) => request.decoder_addr,
-            (true, Some(default)) => default.clone(),
-            (true, None) => {
-                return Err(refuse(Status::invalid_argument(
-                    "decoder_addr is empty and no default decoder is configured",
-                )));
-            }
+        let request_id = if request.request_id.is_empty() {
+            request_id::new("pf")
+        } else if request_id::is_valid(&request.request_id) {
+            request.request_id
+        } else {
+            return Err(refuse(Status::invalid_argument(format!(
+                "request_id: at most {} of [A-Za-z0-9._-]",
+                request_id::MAX_LEN
+            ))));
         };
-        let request_id =
-            if request.request_id.is_empty() { pdbridge_common::request_id::new("pf") } else { request.request_id };
-        let job = Job { request_id, token_ids: request.token_ids, decoder_addr, first_block: request.first_block };
+        // Held from here to the end of the job: a second call with the same id
+        // can never read this one's blocks.
+        let registration = bridge
+            .router
+            .register(&request_id, bridge.stream.queue_frames)
+            .map_err(|id| refuse(Status::already_exists(format!("request_id {id:?} is already in progress"))))?;
+        let job = Job {
+            request_id,
+            token_ids: request.token_ids,
+            decoder_addr,
+            first_block: request.first_block,
+            registration,
+        };
         let (tx, rx) = mpsc::channel(16);
         tokio::spawn(bridge.run(job, tx));
         Ok(Response::new(Box::pin(ReceiverStream::new(rx).map(Ok))))

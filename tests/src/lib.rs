@@ -61,6 +61,75 @@ impl Drop for Scratch {
     }
 }
 
+/// A loopback port held until a daemon is about to bind it, for a daemon whose
+/// address another daemon's config must name before it starts (prefilld dials
+/// only the decoders in its config). While held, the kernel gives the port to
+/// no one else; released just before the daemon binds it.
+pub struct Reserved(std::net::TcpListener);
+
+impl Reserved {
+    pub fn new() -> Reserved {
+        Reserved(std::net::TcpListener::bind("127.0.0.1:0").expect("a free loopback port"))
+    }
+
+    pub fn addr(&self) -> SocketAddr {
+        self.0.local_addr().expect("bound")
+    }
+
+    /// Frees the port; `config`'s kernel-chosen gRPC listener becomes it.
+    pub fn release_into(self, config: &str) -> String {
+        let addr = self.addr();
+        drop(self);
+        config.replacen("grpc_listen = \"127.0.0.1:0\"", &format!("grpc_listen = \"{addr}\""), 1)
+    }
+}
+
+impl Default for Reserved {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// A deployment's certificates, made with `pdbridge certs` as an operator
+/// would: one CA, one certificate per identity.
+pub struct Pki {
+    pub dir: PathBuf,
+    _scratch: Scratch,
+}
+
+impl Pki {
+    pub async fn new(names: &[&str]) -> Pki {
+        let scratch = Scratch::new("pki");
+        let dir = scratch.0.join("certs");
+        let mut args = vec!["certs", "--out", dir.to_str().unwrap()];
+        args.extend(names);
+        let (status, stderr) = run_to_exit("pdbridge", &args, &[]).await;
+        assert!(status.success(), "pdbridge certs failed: {stderr}");
+        Pki { dir, _scratch: scratch }
+    }
+
+    /// A `[tls]` section: `name`'s certificate, trusting the CA, letting `peers` call.
+    pub fn section(&self, name: &str, peers: &[&str]) -> String {
+        format!(
+            "[tls]\ncert = {cert:?}\nkey = {key:?}\nca = {ca:?}\npeers = {peers:?}\n",
+            cert = self.dir.join(format!("{name}.pem")),
+            key = self.dir.join(format!("{name}.key")),
+            ca = self.dir.join("ca.pem"),
+        )
+    }
+
+    /// `name`'s certificate, for a test's own gRPC client.
+    pub fn client(&self, name: &str) -> pdbridge_common::tls::Tls {
+        let config = pdbridge_common::tls::TlsConfig {
+            cert: self.dir.join(format!("{name}.pem")),
+            key: self.dir.join(format!("{name}.key")),
+            ca: self.dir.join("ca.pem"),
+            peers: Vec::new(),
+        };
+        pdbridge_common::tls::Tls::load(&config).expect("certificates made by pdbridge certs")
+    }
+}
+
 /// A daemon's config with every listener on a kernel-chosen loopback port
 /// and no engine.
 pub fn loopback_config(daemon: &str, drain_timeout: &str) -> String {
@@ -117,6 +186,8 @@ pub struct Daemon {
     pub admin: SocketAddr,
     /// decoded's OpenAI front door.
     pub front: Option<SocketAddr>,
+    /// Whether its gRPC listener speaks mutual TLS (its config has `[tls]`).
+    pub tls: bool,
     /// Every log line so far, for failure messages.
     log: Arc<Mutex<Vec<String>>>,
     /// Reads the daemon's stderr into `log` until the pipe closes.
@@ -183,6 +254,7 @@ impl Daemon {
             grpc,
             admin,
             front,
+            tls: config.contains("[tls]"),
             log,
             log_reader: Some(log_reader),
             _scratch: scratch,
@@ -190,16 +262,24 @@ impl Daemon {
     }
 
     pub fn grpc_uri(&self) -> String {
-        format!("http://{}", self.grpc)
+        let scheme = if self.tls { "https" } else { "http" };
+        format!("{scheme}://{}", self.grpc)
     }
 
-    /// A gRPC channel to the daemon.
+    /// A gRPC channel to the daemon (plain: no `[tls]`).
     pub async fn channel(&self) -> tonic::transport::Channel {
-        tonic::transport::Endpoint::from_shared(self.grpc_uri())
-            .expect("valid uri")
-            .connect()
-            .await
-            .unwrap_or_else(|e| panic!("connect to {}: {e}", self.name))
+        self.channel_as(None, "").await.unwrap_or_else(|e| panic!("connect to {}: {e}", self.name))
+    }
+
+    /// A gRPC channel presenting `tls`'s certificate, expecting the daemon to
+    /// hold `identity`; the handshake's failure as text.
+    pub async fn channel_as(
+        &self,
+        tls: Option<&pdbridge_common::tls::Tls>,
+        identity: &str,
+    ) -> Result<tonic::transport::Channel, String> {
+        let endpoint = pdbridge_common::tls::endpoint(&self.grpc_uri(), tls, Some(identity))?;
+        endpoint.connect().await.map_err(|e| pdbridge_common::error_chain(&e))
     }
 
     pub fn admin_url(&self, path: &str) -> String {
@@ -352,12 +432,13 @@ impl Engines {
         )
     }
 
-    /// prefilld with real vLLM and no default decoder (requests name theirs).
-    pub fn prefilld_config(&self, var_dir: &Path) -> String {
+    /// prefilld with real vLLM; `extra` is appended: its `[[decoders]]`
+    /// ([`decoders`]) and, for mutual TLS, `[tls]`.
+    pub fn prefilld_config(&self, var_dir: &Path, extra: &str) -> String {
         format!(
             "{server}[engine]\npython = {python:?}\nplugin_dir = {plugin:?}\nmodel = {model:?}\ndtype = {dtype:?}\n\
              max_model_len = 4096\nplugin_socket = {socket:?}\nbundle_dir = {bundles:?}\n\
-             [engine.env]\nVLLM_CPU_KVCACHE_SPACE = \"2\"\nVLLM_CPU_NUM_OF_RESERVED_CPU = \"1\"\n",
+             [engine.env]\nVLLM_CPU_KVCACHE_SPACE = \"2\"\nVLLM_CPU_NUM_OF_RESERVED_CPU = \"1\"\n{extra}",
             server = loopback_config("prefilld", "5s"),
             python = self.python,
             plugin = self.plugin_dir,
@@ -367,6 +448,12 @@ impl Engines {
             bundles = var_dir.join("bundles"),
         )
     }
+}
+
+/// `[[decoders]]` entries for prefilld: it pushes only to these (the first is
+/// met at start and gates its readiness).
+pub fn decoders(addrs: &[String]) -> String {
+    addrs.iter().map(|addr| format!("[[decoders]]\naddr = {addr:?}\n")).collect()
 }
 
 /// Real text for prompts: the Apache License 2.0 at the repository root.

@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use pdbridge_tests::{Daemon, Engines, Scratch, binary, license_text, workspace_root};
+use pdbridge_tests::{Daemon, Engines, Pki, Reserved, Scratch, binary, license_text, workspace_root};
 use serde_json::{Value, json};
 
 /// Small blocks keep the prompts (and the decoder's slow CPU prefill) short.
@@ -68,16 +68,29 @@ async fn bridged_answers_on_real_engines() {
     let license = license_text();
     let paragraphs: Vec<&str> = license.split("\n\n").collect();
 
-    let mut prefilld = Daemon::start("prefilld", &engines.prefilld_config(&scratch.0.join("prefilld"))).await;
-    prefilld.wait_ready(Duration::from_secs(900)).await;
+    // Both daemons speak mutual TLS, each letting only the other's identity in; prefilld pushes
+    // only to the decoders in its config (this one, and a second one for 5c).
+    let pki = Pki::new(&["prefill-1", "mac-1"]).await;
+    let (decoder_port, hasty_port) = (Reserved::new(), Reserved::new());
+    let prefilld_extra: String = [decoder_port.addr(), hasty_port.addr()]
+        .iter()
+        .map(|addr| format!("[[decoders]]\naddr = \"https://{addr}\"\nname = \"mac-1\"\n"))
+        .chain([pki.section("prefill-1", &["mac-1"])])
+        .collect();
+    let mut prefilld =
+        Daemon::start("prefilld", &engines.prefilld_config(&scratch.0.join("prefilld"), &prefilld_extra)).await;
     let front = format!(
-        "[front]\nlisten = \"127.0.0.1:0\"\nprefilld = \"http://{}\"\nmin_bridge_tokens = {BLOCK_TOKENS}\n",
-        prefilld.grpc
+        "[front]\nlisten = \"127.0.0.1:0\"\nprefilld = \"https://{}\"\nprefilld_name = \"prefill-1\"\n\
+         min_bridge_tokens = {BLOCK_TOKENS}\n{}",
+        prefilld.grpc,
+        pki.section("mac-1", &["prefill-1"]),
     );
     let store = scratch.0.join("store");
-    let decoded_config = engines.decoded_config(&store, BLOCK_TOKENS as u32, &front);
+    let decoded_config = decoder_port.release_into(&engines.decoded_config(&store, BLOCK_TOKENS as u32, &front));
     let mut decoded = Daemon::start("decoded", &decoded_config).await;
     decoded.wait_ready(Duration::from_secs(300)).await;
+    // prefilld is ready once vLLM is up and it has met its first decoder over mutual TLS.
+    prefilld.wait_ready(Duration::from_secs(900)).await;
 
     // 1. A cold prompt is bridged: the store covers every whole block.
     let first_prompt = format!("{}\n\nWhat is this text?", paragraphs[..3].join("\n\n"));
@@ -115,32 +128,42 @@ async fn bridged_answers_on_real_engines() {
     // The Grafana dashboard only queries metrics the daemons really publish.
     dashboard_metrics_exist(&decoded, &prefilld).await;
 
-    // `pdbridge doctor` passes on this deployment.
+    // `pdbridge doctor` passes on this deployment, run on the decoder's host with its certificate.
+    let cli_tls = [
+        format!("--ca={}", pki.dir.join("ca.pem").display()),
+        format!("--cert={}", pki.dir.join("mac-1.pem").display()),
+        format!("--key={}", pki.dir.join("mac-1.key").display()),
+        "--decoded-name=mac-1".to_owned(),
+        "--prefilld-name=prefill-1".to_owned(),
+    ];
     let doctor_args = |decoded: &Daemon, prefilld: &Daemon| {
-        vec![
+        let mut args = vec![
             "doctor".to_owned(),
-            format!("--decoded=http://{}", decoded.grpc),
+            format!("--decoded={}", decoded.grpc_uri()),
             format!("--decoded-admin=http://{}", decoded.admin),
-            format!("--prefilld=http://{}", prefilld.grpc),
+            format!("--prefilld={}", prefilld.grpc_uri()),
             format!("--prefilld-admin=http://{}", prefilld.admin),
-        ]
+        ];
+        args.extend(cli_tls.iter().cloned());
+        args
     };
     let (status, out) = run_cli(&doctor_args(&decoded, &prefilld)).await;
     assert!(status.success(), "doctor failed:\n{out}");
     assert!(out.contains("PASS  test bridge") && out.contains("all checks passed"), "{out}");
+    assert!(out.contains("PASS  certificate: mac-1, signed by the CA"), "{out}");
 
     // `pdbridge warm` bridges a document; a chat about it then finds it cached.
     let document = paragraphs[8..11].join("\n\n");
     let doc_file = scratch.0.join("doc.txt");
     std::fs::write(&doc_file, &document).unwrap();
-    let (status, out) = run_cli(&[
+    let mut warm_args = vec![
         "warm".to_owned(),
         format!("--file={}", doc_file.display()),
         format!("--front=http://{}", decoded.front.unwrap()),
-        format!("--prefilld=http://{}", prefilld.grpc),
-        format!("--decoder-addr=http://{}", decoded.grpc),
-    ])
-    .await;
+        format!("--prefilld={}", prefilld.grpc_uri()),
+    ];
+    warm_args.extend(cli_tls.iter().cloned());
+    let (status, out) = run_cli(&warm_args).await;
     assert!(status.success() && out.contains("warm: bridged"), "warm failed:\n{out}");
     let warmed = chat(&decoded, &user(&document), "auto").await;
     assert_eq!(warmed.verdict["outcome"], "cached", "{}", warmed.verdict);
@@ -220,7 +243,7 @@ async fn bridged_answers_on_real_engines() {
 
     // 5b. A block that rotted on disk is caught by its checksum, quarantined and bridged again;
     // the answer is unchanged.
-    let rotten = block_file(&decoded, &store, &first, 0).await;
+    let rotten = block_file(&decoded, &pki, &store, &first, 0).await;
     let mut data = std::fs::read(&rotten).unwrap();
     *data.last_mut().unwrap() ^= 0x01;
     std::fs::write(&rotten, &data).unwrap();
@@ -239,7 +262,11 @@ async fn bridged_answers_on_real_engines() {
     // (native here: no block can land within 1 ms), or a loud 502 when the bridge is required.
     let hasty_front = front
         .replace("[front]\n", "[front]\nprefill_deadline_base = \"1ms\"\nprefill_deadline_per_1k_tokens = \"1ms\"\n");
-    let hasty_config = engines.decoded_config(&scratch.0.join("hasty-store"), BLOCK_TOKENS as u32, &hasty_front);
+    let hasty_config = hasty_port.release_into(&engines.decoded_config(
+        &scratch.0.join("hasty-store"),
+        BLOCK_TOKENS as u32,
+        &hasty_front,
+    ));
     let hasty = Daemon::start("decoded", &hasty_config).await;
     hasty.wait_ready(Duration::from_secs(300)).await;
     let slow = chat(&hasty, &first, "auto").await;
@@ -385,10 +412,17 @@ async fn logged(daemon: &Daemon, message: &str, at_least: usize) -> Vec<Value> {
 }
 
 /// The store file of block `index` of a chat's prompt, by the keys decoded computes.
-async fn block_file(decoded: &Daemon, store: &std::path::Path, messages: &Value, index: usize) -> std::path::PathBuf {
+async fn block_file(
+    decoded: &Daemon,
+    pki: &Pki,
+    store: &std::path::Path,
+    messages: &Value,
+    index: usize,
+) -> std::path::PathBuf {
     use pdbridge_common::proto::{GetSpecRequest, cache_store_client::CacheStoreClient};
     let tokens = decoded.tokenize_chat(messages).await;
-    let spec = CacheStoreClient::new(decoded.channel().await).get_spec(GetSpecRequest {}).await.unwrap().into_inner();
+    let channel = decoded.channel_as(Some(&pki.client("prefill-1")), "mac-1").await.unwrap();
+    let spec = CacheStoreClient::new(channel).get_spec(GetSpecRequest {}).await.unwrap().into_inner();
     let key = pdbridge_common::block::keys(&spec.spec_fingerprint, &tokens, spec.block_tokens as usize)[index].to_hex();
     let path = store.join("blocks").join(&key[..2]).join(format!("{key}.safetensors"));
     assert!(path.exists(), "{} is not in the store", path.display());

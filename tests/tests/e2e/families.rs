@@ -9,25 +9,36 @@ use std::time::Duration;
 use pdbridge_common::proto::{
     PrefillRequest, outcome::Status, prefill_event::Event, prefiller_client::PrefillerClient,
 };
-use pdbridge_tests::{Daemon, Engines, Scratch, fixed_spec_config, license_text};
+use pdbridge_tests::{Daemon, Engines, Reserved, Scratch, decoders, fixed_spec_config, license_text};
 
 use crate::bridge::{chat, user};
 
 const BLOCK_TOKENS: u32 = 64;
 
 /// prefilld and decoded on `family`'s generated checkpoint, the decoder's `[engine]` given
-/// `engine_keys`; a cold prompt bridged, then served natively: the same greedy answer.
-async fn bridges_as_the_decoder_answers(family: &str, engine_keys: &str, scratch: &Scratch) -> Daemon {
+/// `engine_keys`; a cold prompt bridged, then served natively: the same greedy answer. prefilld
+/// may also push to the decoder at `also`.
+async fn bridges_as_the_decoder_answers(
+    family: &str,
+    engine_keys: &str,
+    scratch: &Scratch,
+    also: Option<&Reserved>,
+) -> Daemon {
     let engines = Engines::family(family);
-    let prefilld = Daemon::start("prefilld", &engines.prefilld_config(&scratch.0.join(family))).await;
-    prefilld.wait_ready(Duration::from_secs(900)).await;
+    let port = Reserved::new();
+    let addrs: Vec<String> =
+        std::iter::once(port.addr()).chain(also.map(Reserved::addr)).map(|addr| format!("http://{addr}")).collect();
+    let prefilld =
+        Daemon::start("prefilld", &engines.prefilld_config(&scratch.0.join(family), &decoders(&addrs))).await;
     let extra = format!(
         "{engine_keys}\n[front]\nlisten = \"127.0.0.1:0\"\nprefilld = \"http://{}\"\nmin_bridge_tokens = {BLOCK_TOKENS}\n",
         prefilld.grpc
     );
     let store = scratch.0.join(format!("{family}-store"));
-    let mut decoded = Daemon::start("decoded", &engines.decoded_config(&store, BLOCK_TOKENS, &extra)).await;
+    let mut decoded =
+        Daemon::start("decoded", &port.release_into(&engines.decoded_config(&store, BLOCK_TOKENS, &extra))).await;
     decoded.wait_ready(Duration::from_secs(300)).await;
+    prefilld.wait_ready(Duration::from_secs(900)).await;
 
     let license = license_text();
     let prompt = user(&format!("{}\n\nWhat is this text?", &license[..2400]));
@@ -53,19 +64,21 @@ async fn bridges_as_the_decoder_answers(family: &str, engine_keys: &str, scratch
 async fn generated_families_bridge_as_their_decoder_answers() {
     let scratch = Scratch::new("families");
     // Llama 3.1 rope scaling, the decoder keeping a 4-bit quantized KV cache.
-    let mut prefilld = bridges_as_the_decoder_answers("llama3", "kv_bits = 4\nkv_group_size = 32", &scratch).await;
+    let mut prefilld =
+        bridges_as_the_decoder_answers("llama3", "kv_bits = 4\nkv_group_size = 32", &scratch, None).await;
     prefilld.terminate();
     prefilld.wait(Duration::from_secs(120)).await;
     // Gemma 3: sliding-window layers (RotatingKVCache) beside a global one, (1+w) norms.
-    let mut prefilld = bridges_as_the_decoder_answers("gemma3", "", &scratch).await;
+    let mut prefilld = bridges_as_the_decoder_answers("gemma3", "", &scratch, None).await;
     prefilld.terminate();
     prefilld.wait(Duration::from_secs(120)).await;
     // DeepSeek-V3: multi-head latent attention, MoE; vLLM in bf16, the decoder in fp32.
-    let mut prefilld = bridges_as_the_decoder_answers("deepseek_v3", "", &scratch).await;
+    let mut prefilld = bridges_as_the_decoder_answers("deepseek_v3", "", &scratch, None).await;
     prefilld.terminate();
     prefilld.wait(Duration::from_secs(120)).await;
     // Qwen3's per-head q/k norms, 8-bit weights.
-    let prefilld = bridges_as_the_decoder_answers("qwen3", "", &scratch).await;
+    let recurrent_port = Reserved::new();
+    let prefilld = bridges_as_the_decoder_answers("qwen3", "", &scratch, Some(&recurrent_port)).await;
 
     // A decoder whose layer 1 keeps a recurrent state (no codec): prefilld refuses at the
     // handshake, naming the layer and why, and bridges nothing.
@@ -78,7 +91,7 @@ async fn generated_families_bridge_as_their_decoder_answers() {
     layer["tensors"] = serde_json::json!([]);
     layer["unsupported_reason"] = "ArraysCache: recurrent state (a scan over every earlier token)".into();
     std::fs::write(&spec_file, info.to_string()).unwrap();
-    let decoder = Daemon::start("decoded", &config).await;
+    let decoder = Daemon::start("decoded", &recurrent_port.release_into(&config)).await;
     decoder.wait_ready(Duration::from_secs(60)).await;
     let request =
         PrefillRequest { token_ids: (0..48).collect(), decoder_addr: decoder.grpc_uri(), ..Default::default() };

@@ -87,7 +87,8 @@ async fn rpcs_refuse_with_unavailable_while_the_engine_is_not_ready() {
         CacheStoreClient::connect(decoded.grpc_uri()).await.unwrap().get_spec(GetSpecRequest {}).await.unwrap_err();
     assert_eq!(err.code(), tonic::Code::Unavailable, "{err:?}");
 
-    let prefilld = Daemon::start("prefilld", &loopback_config("prefilld", "5s")).await;
+    let config = loopback_config("prefilld", "5s") + &pdbridge_tests::decoders(&[decoded.grpc_uri()]);
+    let prefilld = Daemon::start("prefilld", &config).await;
     let request = PrefillRequest { token_ids: vec![1, 2, 3], decoder_addr: decoded.grpc_uri(), ..Default::default() };
     let err = PrefillerClient::connect(prefilld.grpc_uri()).await.unwrap().prefill(request).await.unwrap_err();
     assert_eq!(err.code(), tonic::Code::Unavailable, "{err:?}");

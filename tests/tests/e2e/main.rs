@@ -7,3 +7,4 @@ mod foundation;
 mod load;
 mod ops;
 mod push;
+mod security;

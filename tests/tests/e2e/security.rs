@@ -1,0 +1,224 @@
+//! Who may do what, tried as an attacker on the LAN would: without a certificate, with one
+//! of the right CA but the wrong identity, with one of another CA, in plain text. Each is
+//! refused with its status and leaves the store as it was; the configured peer gets through.
+//! The front door wants an API key when one is configured, and no listener is exposed to
+//! other hosts unauthenticated unless `server.insecure` says so.
+
+use std::{path::Path, time::Duration};
+
+use pdbridge_common::proto::{
+    GetBundleRequest, GetSpecRequest, LookupRequest, PrefillRequest, PushOpen, cache_store_client::CacheStoreClient,
+    prefiller_client::PrefillerClient,
+};
+use pdbridge_tests::{
+    Daemon, Pki, Scratch,
+    cache_store::{block_shards, frames, push},
+    decoders, fixed_spec_config, loopback_config, run_to_exit,
+};
+use serde_json::Value;
+use tonic::{
+    Code,
+    transport::{Certificate, Channel, ClientTlsConfig, Endpoint},
+};
+
+const BLOCK_TOKENS: u32 = 16;
+
+/// Block files in the store (committed or not).
+fn files_under(dir: &Path) -> usize {
+    let Ok(entries) = std::fs::read_dir(dir) else { return 0 };
+    entries.flatten().map(|entry| if entry.path().is_dir() { files_under(&entry.path()) } else { 1 }).sum()
+}
+
+/// A TLS client that trusts the CA but presents no certificate of its own.
+async fn anonymous(daemon: &Daemon, pki: &Pki, identity: &str) -> Channel {
+    let ca = Certificate::from_pem(std::fs::read(pki.dir.join("ca.pem")).unwrap());
+    let tls = ClientTlsConfig::new().ca_certificate(ca).domain_name(identity);
+    Endpoint::from_shared(daemon.grpc_uri()).unwrap().tls_config(tls).unwrap().connect().await.unwrap()
+}
+
+#[tokio::test]
+async fn only_the_configured_prefiller_may_write_or_read_the_decoders_cache() {
+    let scratch = Scratch::new("security-store");
+    let pki = Pki::new(&["prefill-1", "mac-1", "intruder"]).await;
+    let store = scratch.0.join("store");
+    let tls = pki.section("mac-1", &["prefill-1"]);
+    let decoded =
+        Daemon::start("decoded", &fixed_spec_config(&scratch.0.join("spec"), &store, BLOCK_TOKENS, &tls)).await;
+    let prefiller = decoded.channel_as(Some(&pki.client("prefill-1")), "mac-1").await.unwrap();
+    let spec = CacheStoreClient::new(prefiller.clone()).get_spec(GetSpecRequest {}).await.unwrap().into_inner();
+    let tokens: Vec<u32> = (0..BLOCK_TOKENS).collect();
+    // A fabricated block with valid CRCs for a prompt whose keys anyone can compute.
+    let poison = || {
+        let open = PushOpen {
+            request_id: "poison".into(),
+            spec_fingerprint: spec.spec_fingerprint.clone(),
+            token_ids: tokens.clone(),
+            first_block: 0,
+        };
+        frames(open, block_shards(&spec, 0, 66), Some(1))
+    };
+    let all_rpcs = |channel: Channel| {
+        let (tokens, poison) = (tokens.clone(), poison());
+        async move {
+            let mut client = CacheStoreClient::new(channel);
+            let push = push(&mut client, poison).await.map(drop);
+            let lookup = client.lookup(LookupRequest { token_ids: tokens, ..Default::default() }).await.map(drop);
+            let bundle = client.get_bundle(GetBundleRequest::default()).await.map(drop);
+            [("Push", push), ("Lookup", lookup), ("GetBundle", bundle)]
+        }
+    };
+
+    // No client certificate: UNAUTHENTICATED; the spec is readable by certified peers only.
+    let anonymous = anonymous(&decoded, &pki, "mac-1").await;
+    for (rpc, result) in all_rpcs(anonymous.clone()).await {
+        assert_eq!(result.unwrap_err().code(), Code::Unauthenticated, "{rpc}");
+    }
+    let spec_err = CacheStoreClient::new(anonymous).get_spec(GetSpecRequest {}).await.unwrap_err();
+    assert_eq!(spec_err.code(), Code::Unauthenticated);
+
+    // The deployment's CA, but not a configured prefiller: PERMISSION_DENIED (the spec it may read).
+    let intruder = decoded.channel_as(Some(&pki.client("intruder")), "mac-1").await.unwrap();
+    for (rpc, result) in all_rpcs(intruder.clone()).await {
+        let err = result.unwrap_err();
+        assert_eq!(err.code(), Code::PermissionDenied, "{rpc}: {err:?}");
+        assert!(err.message().contains("intruder"), "{rpc}: {}", err.message());
+    }
+    assert!(CacheStoreClient::new(intruder).get_spec(GetSpecRequest {}).await.is_ok());
+
+    // A certificate with the right name from another CA: no connection at all.
+    let forger = Pki::new(&["prefill-1"]).await;
+    let forged = decoded.channel_as(Some(&forger.client("prefill-1")), "mac-1").await;
+    assert!(forged.is_err(), "a certificate of another CA must not connect");
+    // Plain HTTP/2 to the TLS port: nothing is served.
+    let plain = Endpoint::from_shared(format!("http://{}", decoded.grpc)).unwrap().connect_lazy();
+    assert!(CacheStoreClient::new(plain).get_spec(GetSpecRequest {}).await.is_err());
+
+    assert_eq!(files_under(&store.join("blocks")), 0, "no refused Push wrote anything");
+    let mut client = CacheStoreClient::new(prefiller);
+    let lookup = client.lookup(LookupRequest { token_ids: tokens.clone(), ..Default::default() }).await.unwrap();
+    assert_eq!(lookup.into_inner().cached_blocks, 0);
+
+    // The configured prefiller writes; token ids outside the vocabulary are refused first.
+    let mut bad = poison();
+    if let Some(pdbridge_common::proto::push_frame::Frame::Open(open)) = &mut bad[0].frame {
+        open.token_ids[3] = spec.vocab_size;
+    }
+    let err = push(&mut client, bad).await.unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
+    assert!(err.message().contains("outside the vocabulary"), "{}", err.message());
+    let receipt = push(&mut client, poison()).await.unwrap();
+    assert_eq!(receipt.blocks_committed, 1, "{}", receipt.reason);
+    let refusals = decoded.metric("pdbridge_grpc_errors_total{service=\"CacheStore\",code=\"PermissionDenied\"}").await;
+    assert_eq!(refusals, Some(3.0));
+}
+
+#[tokio::test]
+async fn only_configured_decoders_may_start_a_prefill_and_only_to_themselves() {
+    let pki = Pki::new(&["prefill-1", "mac-1", "intruder"]).await;
+    let decoder = "https://127.0.0.1:1";
+    let config = loopback_config("prefilld", "5s")
+        + &format!("[[decoders]]\naddr = {decoder:?}\nname = \"mac-1\"\n")
+        + &pki.section("prefill-1", &["mac-1"]);
+    let prefilld = Daemon::start("prefilld", &config).await;
+    let request = |decoder_addr: &str| PrefillRequest {
+        token_ids: vec![1, 2, 3],
+        decoder_addr: decoder_addr.into(),
+        ..Default::default()
+    };
+    let call = |channel: Channel, decoder_addr: &str| {
+        let request = request(decoder_addr);
+        async move { PrefillerClient::new(channel).prefill(request).await.map(drop).unwrap_err() }
+    };
+    let anonymous = anonymous(&prefilld, &pki, "prefill-1").await;
+    assert_eq!(call(anonymous, "").await.code(), Code::Unauthenticated);
+    let intruder = prefilld.channel_as(Some(&pki.client("intruder")), "prefill-1").await.unwrap();
+    assert_eq!(call(intruder, "").await.code(), Code::PermissionDenied);
+
+    // The configured decoder may not point prefilld anywhere else (it would dial it).
+    let decoder_channel = prefilld.channel_as(Some(&pki.client("mac-1")), "prefill-1").await.unwrap();
+    let err = call(decoder_channel.clone(), "http://10.0.0.9:7070").await;
+    assert_eq!(err.code(), Code::PermissionDenied, "{err:?}");
+    assert!(err.message().contains("not one of prefilld's [[decoders]]"), "{}", err.message());
+    // Authorized and pointing at itself: past every check, to the engine (none here).
+    assert_eq!(call(decoder_channel.clone(), decoder).await.code(), Code::Unavailable);
+    assert_eq!(call(decoder_channel, "").await.code(), Code::Unavailable);
+}
+
+#[tokio::test]
+async fn the_front_door_wants_an_api_key_when_configured() {
+    let scratch = Scratch::new("security-keys");
+    let key_file = scratch.write("keys", "# one key per line\nsk-from-file-7b1d\n");
+    let extra = format!("[front]\nlisten = \"127.0.0.1:0\"\napi_keys_file = {key_file:?}\n");
+    let config = fixed_spec_config(&scratch.0.join("spec"), &scratch.0.join("store"), BLOCK_TOKENS, "")
+        .replace("[front]\nlisten = \"127.0.0.1:0\"\n", &extra);
+    let env_key = "sk-from-env-93fa";
+    let decoded = Daemon::start_with_env("decoded", &config, &[("PDB_FRONT__API_KEYS", env_key)]).await;
+    let base = format!("http://{}", decoded.front.unwrap());
+    let client = reqwest::Client::new();
+    let models = |key: Option<&str>| {
+        let mut request = client.get(format!("{base}/v1/models"));
+        if let Some(key) = key {
+            request = request.bearer_auth(key);
+        }
+        request.send()
+    };
+    for key in [None, Some("sk-wrong"), Some("")] {
+        let response = models(key).await.unwrap();
+        assert_eq!(response.status().as_u16(), 401, "{key:?}");
+        let body: Value = response.json().await.unwrap();
+        assert_eq!(body["error"]["code"], "invalid_api_key", "{body}");
+        assert_eq!(body["error"]["type"], "invalid_request_error", "{body}");
+    }
+    for key in [env_key, "sk-from-file-7b1d"] {
+        assert_eq!(models(Some(key)).await.unwrap().status().as_u16(), 200, "{key}");
+    }
+    // Tokenize sits behind the same key (past it: 503, this decoded has no engine).
+    let tokenize = |key: Option<&str>| {
+        let mut request = client.post(format!("{base}/pd/v1/tokenize")).json(&serde_json::json!({"prompt": "hi"}));
+        if let Some(key) = key {
+            request = request.bearer_auth(key);
+        }
+        request.send()
+    };
+    assert_eq!(tokenize(None).await.unwrap().status().as_u16(), 401);
+    assert_eq!(tokenize(Some(env_key)).await.unwrap().status().as_u16(), 503);
+    decoded.wait_metric("pdbridge_front_unauthorized_total", 4.0, Duration::from_secs(10)).await;
+    assert!(!decoded.log_text().contains("sk-from"), "a key reached the log");
+}
+
+#[tokio::test]
+async fn a_listener_open_to_other_hosts_needs_tls_or_an_explicit_insecure() {
+    let scratch = Scratch::new("security-exposed");
+    let exposed = |daemon: &str, key: &str| loopback_config(daemon, "5s").replacen(key, "0.0.0.0:0", 1);
+    for (daemon, config, key) in [
+        ("decoded", exposed("decoded", "127.0.0.1:0"), "server.grpc_listen"),
+        ("prefilld", exposed("prefilld", "127.0.0.1:0"), "server.grpc_listen"),
+        (
+            "decoded",
+            loopback_config("decoded", "5s").replace("\nlisten = \"127.0.0.1:0\"", "\nlisten = \"0.0.0.0:0\""),
+            "front.listen",
+        ),
+    ] {
+        let path = scratch.write(&format!("{daemon}-{key}.toml"), &config);
+        let (status, stderr) = run_to_exit(daemon, &["--config", path.to_str().unwrap()], &[]).await;
+        assert_eq!(status.code(), Some(2), "{daemon} {key}: {stderr}");
+        assert!(stderr.contains(key) && stderr.contains("server.insecure"), "{daemon}: {stderr}");
+    }
+    let insecure = exposed("decoded", "127.0.0.1:0").replace("[server]\n", "[server]\ninsecure = true\n");
+    let decoded = Daemon::start("decoded", &insecure).await;
+    decoded.wait_metric("pdbridge_insecure_listeners", 1.0, Duration::from_secs(10)).await;
+    assert!(decoded.log_text().contains("server.grpc_listen"), "{}", decoded.log_text());
+}
+
+#[tokio::test]
+async fn decoders_listed_for_prefilld_need_their_scheme() {
+    let scratch = Scratch::new("security-scheme");
+    let pki = Pki::new(&["prefill-1"]).await;
+    let plain_with_tls = loopback_config("prefilld", "5s")
+        + &decoders(&["http://127.0.0.1:7070".to_owned()])
+        + &pki.section("prefill-1", &["mac-1"]);
+    let path = scratch.write("p.toml", &plain_with_tls);
+    let (status, stderr) = run_to_exit("prefilld", &["--config", path.to_str().unwrap()], &[]).await;
+    assert_eq!(status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("decoders.addr") && stderr.contains("https://"), "{stderr}");
+}
