@@ -136,7 +136,7 @@ start_timeout = "900s"
 [engine.env]
 VLLM_CPU_KVCACHE_SPACE = "4"
 VLLM_CPU_NUM_OF_RESERVED_CPU = "1"
-[decoder]
+[[decoders]]
 addr = "http://127.0.0.1:{ports['decoded_grpc']}"
 [stream]
 deadline_per_1k_tokens = "60s"

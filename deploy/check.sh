@@ -112,6 +112,13 @@ def ok(msg):
 def rel(p):
     return os.path.relpath(p, root)
 
+def report(path, problems, summary):
+    """One FAIL line per problem with `path`, or one ok line with `summary`."""
+    for p in problems:
+        fail(f"{rel(path)}: {p}")
+    if not problems:
+        ok(f"{rel(path)}: {summary}")
+
 # --- durations ------------------------------------------------------------------------------
 SYSTEMD_UNITS = {"us": 1e-6, "usec": 1e-6, "ms": 1e-3, "msec": 1e-3, "s": 1, "sec": 1, "second": 1,
                  "seconds": 1, "m": 60, "min": 60, "minute": 60, "minutes": 60, "h": 3600, "hr": 3600,
@@ -188,7 +195,11 @@ FORBIDDEN = {
     "ProtectClock": "implies DeviceAllow=char-rtc, which hides /dev/nvidia*",
     "RemoveIPC": "would delete the other daemon's POSIX shm when both share the pdbridge user",
 }
-ENV = {"HF_HUB_OFFLINE": "1", "HOME": "/var/lib/pd-bridge", "XDG_CACHE_HOME": "/var/cache/pd-bridge"}
+ENV = {"HF_HUB_OFFLINE": "1", "HOME": "/var/lib/pd-bridge", "XDG_CACHE_HOME": "/var/cache/pd-bridge",
+       # Mutual TLS from systemd credentials (LoadCredential=, readable by this service only).
+       "PDB_TLS__CERT": "%d/tls-cert", "PDB_TLS__KEY": "%d/tls-key", "PDB_TLS__CA": "%d/tls-ca"}
+CREDENTIALS = {"tls-cert": "/etc/pd-bridge/certs/cert.pem", "tls-key": "/etc/pd-bridge/certs/key.pem",
+               "tls-ca": "/etc/pd-bridge/certs/ca.pem"}
 
 for daemon in ("prefilld", "decoded"):
     path = os.path.join(deploy, "systemd", f"pdbridge-{daemon}.service")
@@ -223,6 +234,10 @@ for daemon in ("prefilld", "decoded"):
     for k, v in ENV.items():
         if env.get(k) != v:
             problems.append(f"Environment={k}={v} missing (have {env.get(k)!r})")
+    creds = dict(c.split(":", 1) for c in svc.get("LoadCredential", []) if ":" in c)
+    for name, source in CREDENTIALS.items():
+        if creds.get(name) != source:
+            problems.append(f"LoadCredential={name}:{source} missing (have {creds.get(name)!r})")
     if "RestartSec" not in svc:
         problems.append("RestartSec= missing")
     try:
@@ -240,11 +255,28 @@ for daemon in ("prefilld", "decoded"):
             problems.append(f"TimeoutStartSec= ({start_s:g}s) is short for a vLLM cold start")
     except (ValueError, KeyError, OSError) as e:
         problems.append(f"timeouts: {e}")
-    if problems:
-        for p in problems:
-            fail(f"{rel(path)}: {p}")
-    else:
-        ok(f"{rel(path)}: notify/user/restart/timeouts/hardening/environment as required")
+    report(path, problems, f"notify/user/restart/timeouts/hardening/environment/TLS credentials as required")
+
+# --- example configs: secure by default -----------------------------------------------------
+import tomllib
+DIALS = {"decoded": [("front", "prefilld")], "prefilld": [("decoders", "addr")]}
+for daemon in ("prefilld", "decoded"):
+    path = os.path.join(deploy, "examples", f"{daemon}.toml")
+    problems = []
+    with open(path, "rb") as f:
+        conf = tomllib.load(f)
+    tls = conf.get("tls", {})
+    for key in ("cert", "key", "ca", "peers"):
+        if not tls.get(key):
+            problems.append(f"[tls] {key} missing: the examples run mutual TLS")
+    if conf.get("server", {}).get("insecure"):
+        problems.append("server.insecure must not be set in an example")
+    for section, key in DIALS[daemon]:
+        entries = conf.get(section, [])
+        for entry in entries if isinstance(entries, list) else [entries]:
+            if not str(entry.get(key, "https://")).startswith("https://"):
+                problems.append(f"{section}.{key} = {entry.get(key)!r} is not https://")
+    report(path, problems, f"mutual TLS with peers, https dials, not insecure")
 
 # --- launchd plist --------------------------------------------------------------------------
 LAUNCHD_KEYS = {
@@ -328,15 +360,14 @@ if pl is not None:
             problems.append("EnvironmentVariables: RUST_LOG missing")
         if "/usr/local/bin" not in str(env.get("PATH", "")).split(":"):
             problems.append("EnvironmentVariables: PATH must include /usr/local/bin")
+        for key in ("CERT", "KEY", "CA"):
+            if not env.get(f"PDB_TLS__{key}", "").startswith("/usr/local/etc/pd-bridge/certs/"):
+                problems.append(f"EnvironmentVariables: PDB_TLS__{key} must name a file in /usr/local/etc/pd-bridge/certs/")
     if shutil.which("plutil"):  # macOS
         r = subprocess.run(["plutil", "-lint", path], capture_output=True, text=True)
         if r.returncode != 0:
             problems.append(f"plutil -lint: {r.stdout.strip()} {r.stderr.strip()}")
-    if problems:
-        for p in problems:
-            fail(f"{rel(path)}: {p}")
-    else:
-        ok(f"{rel(path)}: property list with the required keys, types and values")
+    report(path, problems, f"property list with the required keys, types and values")
 
 # --- Grafana dashboard ----------------------------------------------------------------------
 HISTOGRAMS = {"pdbridge_ttft_seconds", "pdbridge_stage_seconds", "pdbridge_prefill_duration_seconds"}
@@ -348,8 +379,9 @@ METRICS = {
     "pdbridge_store_quarantined_total", "pdbridge_engine_up", "pdbridge_engine_restarts_total",
     "pdbridge_front_requests_in_flight", "pdbridge_push_streams_in_flight", "pdbridge_prefill_in_flight",
     "pdbridge_grpc_errors_total", "pdbridge_prefill_requests_total", "pdbridge_build_info",
+    "pdbridge_insecure_listeners", "pdbridge_front_unauthorized_total",
 } | {h + "_bucket" for h in HISTOGRAMS}
-LABELS = {"outcome", "reason", "stage", "engine", "service", "code", "daemon", "version", "le"}
+LABELS = {"outcome", "reason", "stage", "engine", "service", "code", "daemon", "version", "le", "role"}
 DS_UID = "${DS_PROMETHEUS}"
 
 def balanced(expr):
@@ -436,11 +468,7 @@ if dash is not None:
     missing = sorted(METRICS - used)
     if missing:
         problems.append(f"metrics with no panel: {missing}")
-    if problems:
-        for p in problems:
-            fail(f"{rel(path)}: {p}")
-    else:
-        ok(f"{rel(path)}: {len(panels)} panels, each with an expr; only the daemons' metrics and labels")
+    report(path, problems, f"{len(panels)} panels, each with an expr; only the daemons' metrics and labels")
 
 # --- Prometheus scrape config ---------------------------------------------------------------
 JOBS = {"pdbridge-prefilld": ("9471", "prefill"), "pdbridge-decoded": ("9470", "decode")}
@@ -513,11 +541,7 @@ if text is not None:
         r = subprocess.run(["promtool", "check", "config", path], capture_output=True, text=True)
         if r.returncode != 0:
             problems.append(f"promtool check config: {(r.stdout + r.stderr).strip()}")
-    if problems:
-        for p in problems:
-            fail(f"{rel(path)}: {p}")
-    else:
-        ok(f"{rel(path)}: {how}: both jobs, ports, /metrics, role labels, interval")
+    report(path, problems, f"{how}: both jobs, ports, /metrics, role labels, interval")
 
 sys.exit(1 if failures else 0)
 PY

@@ -20,6 +20,8 @@ cargo build --workspace --bins --locked --release
 run=var/demo
 rm -rf "$run"
 mkdir -p "$run"
+# The example configs speak mutual TLS: a CA and one certificate per daemon (the CA is reused).
+./target/release/pdbridge certs --out var/certs prefill-1 mac-1 >/dev/null
 pids=()
 cleanup() {
   for pid in "${pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done

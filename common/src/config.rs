@@ -184,6 +184,9 @@ pub struct Http2Config {
     pub connection_window_bytes: u32,
     /// Largest HTTP/2 DATA frame (16 KiB to 16 MiB − 1).
     pub max_frame_bytes: u32,
+    /// Streams one client connection may have open at once (prefilld stripes
+    /// a transfer's Push streams over a few connections; more is a flood).
+    pub max_concurrent_streams: u32,
 }
 
 impl Default for Http2Config {
@@ -193,6 +196,7 @@ impl Default for Http2Config {
             stream_window_bytes: 16 << 20,
             connection_window_bytes: 64 << 20,
             max_frame_bytes: 1 << 20,
+            max_concurrent_streams: 128,
         }
     }
 }
@@ -207,6 +211,9 @@ impl Validate for Http2Config {
                 "server.http2.connection_window_bytes",
                 "windows must be at least 65535 and the connection's at least the stream's",
             ));
+        }
+        if self.max_concurrent_streams == 0 {
+            return Err(ConfigError::invalid("server.http2.max_concurrent_streams", "must be at least 1"));
         }
         if self.max_message_bytes < 1 << 20 {
             return Err(ConfigError::invalid("server.http2.max_message_bytes", "must be at least 1 MiB"));

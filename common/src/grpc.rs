@@ -17,6 +17,7 @@ pub fn server(http2: &Http2Config) -> Server {
         .initial_stream_window_size(http2.stream_window_bytes)
         .initial_connection_window_size(http2.connection_window_bytes)
         .max_frame_size(http2.max_frame_bytes)
+        .max_concurrent_streams(http2.max_concurrent_streams)
         .tcp_nodelay(true)
 }
 

@@ -244,7 +244,8 @@ mod tests {
         }
 
         proptest! {
-            #![proptest_config(ProptestConfig { cases: 2048, ..ProptestConfig::default() })]
+            // At least this many cases; PROPTEST_CASES asks for more.
+            #![proptest_config(ProptestConfig { cases: ProptestConfig::default().cases.max(2048), ..ProptestConfig::default() })]
 
             #[test]
             fn hostile_shards_never_overfill_a_tensor(shards in prop::collection::vec(hostile_shard(384), 0..64)) {

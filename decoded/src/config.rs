@@ -240,6 +240,8 @@ pub struct FrontConfig {
     pub api_keys: Vec<ApiKey>,
     /// A file of API keys, one per line (blank lines and `#` comments skipped).
     pub api_keys_file: Option<PathBuf>,
+    /// Largest request body (413 beyond). A 128K-token prompt is ~0.5 MB of text.
+    pub max_body_bytes: usize,
     /// How prefilld reaches this decoder's CacheStore (default: the gRPC
     /// listener, with an unspecified IP replaced by 127.0.0.1).
     pub advertise_addr: Option<String>,
@@ -273,6 +275,7 @@ impl Default for FrontConfig {
             prefilld_name: None,
             api_keys: Vec::new(),
             api_keys_file: None,
+            max_body_bytes: 16 << 20,
             advertise_addr: None,
             bridge: true,
             min_bridge_tokens: 256,
@@ -341,6 +344,9 @@ impl Validate for FrontConfig {
     fn validate(&self) -> Result<(), ConfigError> {
         if self.api_keys_file.is_some() && self.load_api_keys()?.is_empty() {
             return Err(ConfigError::invalid("front.api_keys_file", "holds no key"));
+        }
+        if self.max_body_bytes < 1024 {
+            return Err(ConfigError::invalid("front.max_body_bytes", "must be at least 1024"));
         }
         if self.default_max_tokens == 0 {
             return Err(ConfigError::invalid("front.default_max_tokens", "must be at least 1"));
@@ -445,12 +451,13 @@ mod tests {
     }
 
     proptest! {
-        #![proptest_config(ProptestConfig { cases: 1024, ..ProptestConfig::default() })]
+        // At least this many cases; PROPTEST_CASES asks for more.
+            #![proptest_config(ProptestConfig { cases: ProptestConfig::default().cases.max(1024), ..ProptestConfig::default() })]
 
         /// Fuzzing config parsing: any file loads or is one error naming what is wrong;
         /// nothing panics, and what loads honours every rule `validate` enforces.
         #[test]
-        fn any_config_file_loads_or_is_refused_in_one_line(lines in prop::collection::vec(line(), 0..24)) {
+        fn fuzz_any_config_file_loads_or_is_refused_in_one_line(lines in prop::collection::vec(line(), 0..24)) {
             let toml = format!("{SERVER}{}", lines.join("\n"));
             match parse(&toml, &[]) {
                 Ok(config) => {

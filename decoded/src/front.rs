@@ -94,6 +94,7 @@ pub fn router(
             }
         });
     let admission = Arc::new(Semaphore::new(config.max_pending_requests));
+    let max_body_bytes = config.max_body_bytes;
     let state = Front {
         engine,
         store,
@@ -109,6 +110,7 @@ pub fn router(
         .route("/v1/models", get(models))
         .route("/pd/v1/tokenize", post(tokenize))
         .with_state(state)
+        .layer(axum::extract::DefaultBodyLimit::max(max_body_bytes))
         .layer(axum::middleware::from_fn_with_state(ApiKeys::new(api_keys), require_api_key))
 }
 
@@ -173,6 +175,9 @@ enum FrontError {
     Overloaded { limit: usize },
     #[error("not answered within front.request_timeout ({0:?})")]
     Timeout(Duration),
+    /// A body that is not JSON, or larger than `front.max_body_bytes` (axum's status: 400, 413, 415).
+    #[error("request body: {1}")]
+    Body(StatusCode, String),
     /// `X-PD-Bridge-Mode: bridge` and the bridge could not be used.
     #[error("bridge required but unavailable: {reason}{}", if detail.is_empty() { String::new() } else { format!(" ({detail})") })]
     BridgeRequired { reason: &'static str, detail: String },
@@ -198,6 +203,7 @@ impl IntoResponse for FrontError {
     fn into_response(self) -> Response {
         let (status, kind) = match &self {
             FrontError::BadRequest(_) => (StatusCode::BAD_REQUEST, "invalid_request_error"),
+            FrontError::Body(status, _) => (*status, "invalid_request_error"),
             FrontError::ModelNotFound(..) => (StatusCode::NOT_FOUND, "invalid_request_error"),
             FrontError::EngineUnavailable => (StatusCode::SERVICE_UNAVAILABLE, "engine_unavailable"),
             FrontError::EngineRefused(_) | FrontError::Engine(_) => (StatusCode::INTERNAL_SERVER_ERROR, "engine_error"),
@@ -289,7 +295,22 @@ async fn models(State(front): State<Front>) -> Json<Value> {
 
 /// The decoder's token ids for a chat or a prompt, for pre-warm clients
 /// (`pdbridge warm`) that must bridge exactly what a later request will hit.
-async fn tokenize(State(front): State<Front>, Json(body): Json<Value>) -> Result<Json<Value>, FrontError> {
+/// A JSON request body; what axum refuses (not JSON, over `front.max_body_bytes`, no
+/// content type) is answered in OpenAI's error shape with axum's status.
+struct Body(Value);
+
+impl<S: Send + Sync> axum::extract::FromRequest<S> for Body {
+    type Rejection = FrontError;
+
+    async fn from_request(request: axum::extract::Request, state: &S) -> Result<Self, FrontError> {
+        match Json::<Value>::from_request(request, state).await {
+            Ok(Json(value)) => Ok(Body(value)),
+            Err(rejection) => Err(FrontError::Body(rejection.status(), rejection.body_text())),
+        }
+    }
+}
+
+async fn tokenize(State(front): State<Front>, Body(body): Body) -> Result<Json<Value>, FrontError> {
     let engine = front.engine.as_ref().ok_or(FrontError::EngineUnavailable)?;
     let input = match (body.get("messages").filter(|m| m.is_array()), body.get("prompt").and_then(Value::as_str)) {
         (Some(messages), None) => TokenizeInput::Chat { messages, add_generation_prompt: true },
@@ -301,17 +322,13 @@ async fn tokenize(State(front): State<Front>, Json(body): Json<Value>) -> Result
     Ok(Json(json!({"tokens": tokens, "block_tokens": block_tokens})))
 }
 
-async fn chat(State(front): State<Front>, headers: HeaderMap, Json(body): Json<Value>) -> Result<Response, FrontError> {
+async fn chat(State(front): State<Front>, headers: HeaderMap, Body(body): Body) -> Result<Response, FrontError> {
     let messages = openai::chat_messages(&body)?;
     let input = TokenizeInput::Chat { messages: &messages, add_generation_prompt: true };
     front.complete(&headers, &body, input, Kind::Chat).await
 }
 
-async fn completions(
-    State(front): State<Front>,
-    headers: HeaderMap,
-    Json(body): Json<Value>,
-) -> Result<Response, FrontError> {
+async fn completions(State(front): State<Front>, headers: HeaderMap, Body(body): Body) -> Result<Response, FrontError> {
     let prompt =
         body.get("prompt").and_then(Value::as_str).ok_or(FrontError::BadRequest("`prompt` must be a string".into()))?;
     front.complete(&headers, &body, TokenizeInput::Text { prompt }, Kind::Text).await

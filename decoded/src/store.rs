@@ -768,7 +768,8 @@ mod tests {
         use super::*;
 
         proptest! {
-            #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
+            // At least this many cases; PROPTEST_CASES asks for more.
+            #![proptest_config(ProptestConfig { cases: ProptestConfig::default().cases.max(512), ..ProptestConfig::default() })]
 
             #[test]
             fn a_damaged_block_file_is_quarantined_or_proves_its_name(

@@ -411,7 +411,8 @@ mod tests {
         }
 
         proptest! {
-            #![proptest_config(ProptestConfig { cases: 1024, ..ProptestConfig::default() })]
+            // At least this many cases; PROPTEST_CASES asks for more.
+            #![proptest_config(ProptestConfig { cases: ProptestConfig::default().cases.max(1024), ..ProptestConfig::default() })]
 
             #[test]
             fn arbitrary_bytes_never_panic(bytes in prop::collection::vec(any::<u8>(), 0..512)) {

@@ -2,9 +2,10 @@
 //! block) on loopback, against a real decoded with its real engine (for the
 //! spec). Reports GB/s and CPU-seconds per GB on both sides, for HTTP/2 at
 //! protocol defaults ("before") and at pd-bridge's tuned settings ("after"),
-//! across shard sizes and the number of connections a transfer is striped
-//! over (prefilld's `stream.connections`). Payload bytes are synthetic: the
-//! store does not interpret cache values.
+//! the tuned settings again over mutual TLS (the cost of `[tls]` on the shard
+//! path, side by side in one run), across shard sizes and the number of
+//! connections a transfer is striped over (prefilld's `stream.connections`).
+//! Payload bytes are synthetic: the store does not interpret cache values.
 //!
 //!     cargo build --release --bins && target/release/push_throughput --out bench/results
 //!
@@ -28,10 +29,10 @@ use pdbridge_common::{
     shard::{self, TensorId},
     spec,
 };
-use pdbridge_tests::{Daemon, Engines, Scratch};
+use pdbridge_tests::{Daemon, Engines, Pki, Scratch};
 use serde_json::json;
 use tokio::sync::mpsc;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 
 #[derive(Parser)]
 struct Args {
@@ -58,9 +59,12 @@ struct Args {
     name: String,
 }
 
-/// HTTP/2 settings of one variant: (name, stream window, connection window, max frame).
-const VARIANTS: [(&str, u32, u32, u32); 2] =
-    [("protocol defaults", 65_535, 65_535, 16_384), ("tuned", 16 << 20, 64 << 20, 1 << 20)];
+/// One variant: (name, stream window, connection window, max frame, mutual TLS).
+const VARIANTS: [(&str, u32, u32, u32, bool); 3] = [
+    ("protocol defaults", 65_535, 65_535, 16_384, false),
+    ("tuned", 16 << 20, 64 << 20, 1 << 20, false),
+    ("tuned + mutual TLS", 16 << 20, 64 << 20, 1 << 20, true),
+];
 
 fn cpu_seconds(pid: u32) -> f64 {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
@@ -99,7 +103,8 @@ async fn main() {
     let args = Args::parse();
     let engines = Engines::locate();
     let mut rows = Vec::new();
-    for (variant, stream_window, conn_window, frame) in VARIANTS {
+    let pki = Pki::new(&["prefill-1", "mac-1"]).await;
+    for (variant, stream_window, conn_window, frame, tls) in VARIANTS {
         let scratch = Scratch::new("push-bench");
         let store = match &args.store_root {
             Some(root) => root.join(format!("pdb-push-bench-{}", std::process::id())).join(variant.replace(' ', "-")),
@@ -108,14 +113,17 @@ async fn main() {
         let http2 = format!(
             "[server.http2]\nstream_window_bytes = {stream_window}\nconnection_window_bytes = {conn_window}\nmax_frame_bytes = {frame}\n"
         );
-        let config = engines.decoded_config(&store, args.block_tokens, "[front]\nlisten = \"127.0.0.1:0\"\n");
+        let tls_section = if tls { pki.section("mac-1", &["prefill-1"]) } else { String::new() };
+        let front = format!("[front]\nlisten = \"127.0.0.1:0\"\n{tls_section}");
+        let config = engines.decoded_config(&store, args.block_tokens, &front);
         // The server section comes first in the config; the http2 table must follow it directly.
         let config = config.replacen("[store]", &format!("{http2}[store]"), 1);
         let decoded = Daemon::start("decoded", &config).await;
         decoded.wait_ready(std::time::Duration::from_secs(300)).await;
         let mut clients = Vec::new();
         for _ in 0..args.connections.iter().copied().max().unwrap_or(1) {
-            let channel = Endpoint::from_shared(decoded.grpc_uri())
+            let client_tls = tls.then(|| pki.client("prefill-1"));
+            let channel = pdbridge_common::tls::endpoint(&decoded.grpc_uri(), client_tls.as_ref(), Some("mac-1"))
                 .unwrap()
                 .tcp_nodelay(true)
                 .initial_stream_window_size(stream_window)
@@ -132,6 +140,7 @@ async fn main() {
                 let run = Run { spec: &spec, template: &template, blocks: args.blocks, shard_bytes: kib << 10 };
                 let mut row = run.measure(&clients[..connections], rows.len() as u32, &decoded).await;
                 row["variant"] = json!(variant);
+                row["tls"] = json!(tls);
                 row["stream_window_bytes"] = json!(stream_window);
                 row["connection_window_bytes"] = json!(conn_window);
                 row["max_frame_bytes"] = json!(frame);

@@ -148,7 +148,7 @@ async fn only_configured_decoders_may_start_a_prefill_and_only_to_themselves() {
 async fn the_front_door_wants_an_api_key_when_configured() {
     let scratch = Scratch::new("security-keys");
     let key_file = scratch.write("keys", "# one key per line\nsk-from-file-7b1d\n");
-    let extra = format!("[front]\nlisten = \"127.0.0.1:0\"\napi_keys_file = {key_file:?}\n");
+    let extra = format!("[front]\nlisten = \"127.0.0.1:0\"\napi_keys_file = {key_file:?}\nmax_body_bytes = 4096\n");
     let config = fixed_spec_config(&scratch.0.join("spec"), &scratch.0.join("store"), BLOCK_TOKENS, "")
         .replace("[front]\nlisten = \"127.0.0.1:0\"\n", &extra);
     let env_key = "sk-from-env-93fa";
@@ -182,6 +182,13 @@ async fn the_front_door_wants_an_api_key_when_configured() {
     };
     assert_eq!(tokenize(None).await.unwrap().status().as_u16(), 401);
     assert_eq!(tokenize(Some(env_key)).await.unwrap().status().as_u16(), 503);
+    // Bodies beyond front.max_body_bytes: 413 in OpenAI's error shape.
+    let huge = serde_json::json!({"messages": [{"role": "user", "content": "x".repeat(8192)}]});
+    let response =
+        client.post(format!("{base}/v1/chat/completions")).bearer_auth(env_key).json(&huge).send().await.unwrap();
+    assert_eq!(response.status().as_u16(), 413);
+    let body: Value = response.json().await.unwrap();
+    assert_eq!(body["error"]["type"], "invalid_request_error", "{body}");
     decoded.wait_metric("pdbridge_front_unauthorized_total", 4.0, Duration::from_secs(10)).await;
     assert!(!decoded.log_text().contains("sk-from"), "a key reached the log");
 }
