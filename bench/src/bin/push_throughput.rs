@@ -36,8 +36,8 @@ use tonic::transport::Channel;
 
 #[derive(Parser)]
 struct Args {
-    /// Blocks pushed per measurement.
-    #[arg(long, default_value_t = 48)]
+    /// Blocks pushed per measurement (one transfer's tokens must fit the decoder's context).
+    #[arg(long, default_value_t = 32)]
     blocks: u32,
     /// Tokens per block.
     #[arg(long, default_value_t = 256)]
@@ -54,13 +54,21 @@ struct Args {
     /// Directory for the stores (e.g. /dev/shm to take the disk out of the measurement).
     #[arg(long)]
     store_root: Option<PathBuf>,
+    /// Rounds over every variant, shard size and connection count.
+    #[arg(long, default_value_t = 2)]
+    repeats: u32,
+    /// Unrecorded rounds first (the first writes to a fresh store run measurably slower).
+    #[arg(long, default_value_t = 1)]
+    warmup: u32,
     /// Name of the results file.
     #[arg(long, default_value = "push_throughput.json")]
     name: String,
 }
 
 /// One variant: (name, stream window, connection window, max frame, mutual TLS).
-const VARIANTS: [(&str, u32, u32, u32, bool); 3] = [
+type Variant = (&'static str, u32, u32, u32, bool);
+
+const VARIANTS: [Variant; 3] = [
     ("protocol defaults", 65_535, 65_535, 16_384, false),
     ("tuned", 16 << 20, 64 << 20, 1 << 20, false),
     ("tuned + mutual TLS", 16 << 20, 64 << 20, 1 << 20, true),
@@ -102,53 +110,52 @@ fn block_data(spec: &CacheSpec, seed: u64) -> Vec<(TensorId, Bytes)> {
 async fn main() {
     let args = Args::parse();
     let engines = Engines::locate();
-    let mut rows = Vec::new();
     let pki = Pki::new(&["prefill-1", "mac-1"]).await;
-    for (variant, stream_window, conn_window, frame, tls) in VARIANTS {
-        let scratch = Scratch::new("push-bench");
-        let store = match &args.store_root {
-            Some(root) => root.join(format!("pdb-push-bench-{}", std::process::id())).join(variant.replace(' ', "-")),
-            None => scratch.0.join("store"),
-        };
-        let http2 = format!(
-            "[server.http2]\nstream_window_bytes = {stream_window}\nconnection_window_bytes = {conn_window}\nmax_frame_bytes = {frame}\n"
-        );
-        let tls_section = if tls { pki.section("mac-1", &["prefill-1"]) } else { String::new() };
-        let front = format!("[front]\nlisten = \"127.0.0.1:0\"\n{tls_section}");
-        let config = engines.decoded_config(&store, args.block_tokens, &front);
-        // The server section comes first in the config; the http2 table must follow it directly.
-        let config = config.replacen("[store]", &format!("{http2}[store]"), 1);
-        let decoded = Daemon::start("decoded", &config).await;
-        decoded.wait_ready(std::time::Duration::from_secs(300)).await;
-        let mut clients = Vec::new();
-        for _ in 0..args.connections.iter().copied().max().unwrap_or(1) {
-            let client_tls = tls.then(|| pki.client("prefill-1"));
-            let channel = pdbridge_common::tls::endpoint(&decoded.grpc_uri(), client_tls.as_ref(), Some("mac-1"))
-                .unwrap()
-                .tcp_nodelay(true)
-                .initial_stream_window_size(stream_window)
-                .initial_connection_window_size(conn_window)
-                .connect()
-                .await
-                .unwrap();
-            clients.push(CacheStoreClient::new(channel).max_encoding_message_size(64 << 20));
-        }
-        let spec = clients[0].get_spec(GetSpecRequest {}).await.unwrap().into_inner();
-        let template = block_data(&spec, 7);
+    // One decoded per variant, all up at once, measured in turn for every shard size and
+    // connection count (and `--repeats` rounds): a machine that slows down over the run slows
+    // every variant alike, so the ratios between them hold.
+    let scratch = Scratch::new("push-bench");
+    let mut setups = Vec::new();
+    for variant in VARIANTS {
+        setups.push(Setup::start(variant, &args, &engines, &pki, &scratch).await);
+    }
+    let spec = setups[0].spec.clone();
+    assert!(
+        args.blocks * spec.block_tokens <= spec.max_context,
+        "--blocks {} of {} tokens exceed the decoder's context of {}: decoded refuses such a Push",
+        args.blocks,
+        spec.block_tokens,
+        spec.max_context
+    );
+    let template = block_data(&spec, 7);
+    let mut rows = Vec::new();
+    // Every transfer pushes fresh token ids: nothing is already cached.
+    let mut transfers = 0u32;
+    for round in 0..args.warmup + args.repeats {
+        let recorded = round >= args.warmup;
         for &kib in &args.shard_kib {
             for &connections in &args.connections {
-                let run = Run { spec: &spec, template: &template, blocks: args.blocks, shard_bytes: kib << 10 };
-                let mut row = run.measure(&clients[..connections], rows.len() as u32, &decoded).await;
-                row["variant"] = json!(variant);
-                row["tls"] = json!(tls);
-                row["stream_window_bytes"] = json!(stream_window);
-                row["connection_window_bytes"] = json!(conn_window);
-                row["max_frame_bytes"] = json!(frame);
-                println!("{row}");
-                rows.push(row);
+                for setup in &setups {
+                    let (variant, stream_window, conn_window, frame, tls) = setup.variant;
+                    let run =
+                        Run { spec: &setup.spec, template: &template, blocks: args.blocks, shard_bytes: kib << 10 };
+                    let mut row = run.measure(&setup.clients[..connections], transfers, &setup.decoded).await;
+                    transfers += 1;
+                    row["variant"] = json!(variant);
+                    row["tls"] = json!(tls);
+                    row["repeat"] = json!(round.saturating_sub(args.warmup));
+                    row["stream_window_bytes"] = json!(stream_window);
+                    row["connection_window_bytes"] = json!(conn_window);
+                    row["max_frame_bytes"] = json!(frame);
+                    if recorded {
+                        println!("{row}");
+                        rows.push(row);
+                    }
+                }
             }
         }
     }
+    drop(setups);
     std::fs::create_dir_all(&args.out).unwrap();
     let machine = std::fs::read_to_string("/proc/cpuinfo").ok().and_then(|c| {
         c.lines().find(|l| l.starts_with("model name")).map(|l| l.split(':').nth(1).unwrap_or("").trim().to_owned())
@@ -180,6 +187,51 @@ async fn main() {
     let path = args.out.join(&args.name);
     std::fs::write(&path, serde_json::to_string_pretty(&result).unwrap()).unwrap();
     println!("wrote {}", path.display());
+}
+
+/// A decoded configured for one variant, and clients on every connection a row may use.
+struct Setup {
+    variant: Variant,
+    decoded: Daemon,
+    clients: Vec<CacheStoreClient<Channel>>,
+    spec: CacheSpec,
+}
+
+impl Setup {
+    async fn start(variant: Variant, args: &Args, engines: &Engines, pki: &Pki, scratch: &Scratch) -> Setup {
+        let (name, stream_window, conn_window, frame, tls) = variant;
+        let dir_name = name.replace([' ', '+'], "-");
+        let store = match &args.store_root {
+            Some(root) => root.join(format!("pdb-push-bench-{}", std::process::id())).join(&dir_name),
+            None => scratch.0.join(&dir_name),
+        };
+        let http2 = format!(
+            "[server.http2]\nstream_window_bytes = {stream_window}\nconnection_window_bytes = {conn_window}\nmax_frame_bytes = {frame}\n"
+        );
+        let tls_section = if tls { pki.section("mac-1", &["prefill-1"]) } else { String::new() };
+        let front = format!("[front]\nlisten = \"127.0.0.1:0\"\n{tls_section}");
+        let config = engines.decoded_config(&store, args.block_tokens, &front);
+        // The server section comes first in the config; the http2 table must follow it directly.
+        // 2 GiB per store: three stores of a whole run would not fit a small machine's tmpfs.
+        let config = config.replacen("[store]", &format!("{http2}[store]\nbudget_bytes = {}", 2u64 << 30), 1);
+        let decoded = Daemon::start("decoded", &config).await;
+        decoded.wait_ready(std::time::Duration::from_secs(300)).await;
+        let mut clients = Vec::new();
+        for _ in 0..args.connections.iter().copied().max().unwrap_or(1) {
+            let client_tls = tls.then(|| pki.client("prefill-1"));
+            let channel = pdbridge_common::tls::endpoint(&decoded.grpc_uri(), client_tls.as_ref(), Some("mac-1"))
+                .unwrap()
+                .tcp_nodelay(true)
+                .initial_stream_window_size(stream_window)
+                .initial_connection_window_size(conn_window)
+                .connect()
+                .await
+                .unwrap();
+            clients.push(CacheStoreClient::new(channel).max_encoding_message_size(64 << 20));
+        }
+        let spec = clients[0].get_spec(GetSpecRequest {}).await.unwrap().into_inner();
+        Setup { variant, decoded, clients, spec }
+    }
 }
 
 /// One measured transfer of `blocks` fresh blocks.
