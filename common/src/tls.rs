@@ -14,7 +14,7 @@ use std::{collections::BTreeSet, path::PathBuf, sync::Arc};
 
 use serde::Deserialize;
 use tonic::{
-    Request, Status,
+    Code, Request, Status,
     transport::{Certificate, ClientTlsConfig, Endpoint, Identity, ServerTlsConfig},
 };
 
@@ -147,6 +147,32 @@ pub fn check_scheme(key: &str, addr: &str, tls: bool) -> Result<(), ConfigError>
     Err(ConfigError::invalid(key, format!("must start with {scheme} {why}, e.g. {scheme}host:port")))
 }
 
+/// Why a caller may not make an RPC.
+#[derive(Debug, thiserror::Error)]
+pub enum AuthError {
+    #[error("this RPC needs a client certificate signed by the deployment's CA")]
+    NoCertificate,
+    #[error("unreadable client certificate: {0}")]
+    BadCertificate(String),
+    #[error("peer {0} is not in this daemon's tls.peers")]
+    NotAPeer(String),
+}
+
+impl AuthError {
+    pub fn code(&self) -> Code {
+        match self {
+            AuthError::NoCertificate | AuthError::BadCertificate(_) => Code::Unauthenticated,
+            AuthError::NotAPeer(_) => Code::PermissionDenied,
+        }
+    }
+}
+
+impl From<AuthError> for Status {
+    fn from(e: AuthError) -> Status {
+        Status::new(e.code(), e.to_string())
+    }
+}
+
 /// Authorization of one RPC by the caller's certificate. Without TLS (a
 /// loopback-only or explicitly insecure deployment) every caller passes.
 #[derive(Clone, Debug, Default)]
@@ -161,7 +187,7 @@ impl Peers {
     }
 
     /// The caller holds a certificate signed by the CA (any identity).
-    pub fn authenticated<T>(&self, request: &Request<T>) -> Result<Option<String>, Status> {
+    pub fn authenticated<T>(&self, request: &Request<T>) -> Result<Option<String>, AuthError> {
         if self.allowed.is_none() {
             return Ok(None);
         }
@@ -171,14 +197,12 @@ impl Peers {
 
     /// The caller holds a certificate signed by the CA whose identity is one of
     /// `tls.peers`; returns that identity.
-    pub fn authorized<T>(&self, request: &Request<T>) -> Result<Option<String>, Status> {
+    pub fn authorized<T>(&self, request: &Request<T>) -> Result<Option<String>, AuthError> {
         let Some(allowed) = &self.allowed else { return Ok(None) };
         let names = caller_identities(request)?;
         match names.iter().find(|name| allowed.contains(*name)) {
             Some(name) => Ok(Some(name.clone())),
-            None => {
-                Err(Status::permission_denied(format!("peer {} is not in this daemon's tls.peers", names.join(", "))))
-            }
+            None => Err(AuthError::NotAPeer(names.join(", "))),
         }
     }
 }
@@ -186,12 +210,9 @@ impl Peers {
 /// The identities of the caller's verified certificate; UNAUTHENTICATED when
 /// it presented none (rustls has already checked any it presented against
 /// the CA).
-fn caller_identities<T>(request: &Request<T>) -> Result<Vec<String>, Status> {
-    let certs = request.peer_certs().filter(|certs| !certs.is_empty());
-    let Some(certs) = certs else {
-        return Err(Status::unauthenticated("this RPC needs a client certificate signed by the deployment's CA"));
-    };
-    identities(certs[0].as_ref()).map_err(Status::unauthenticated)
+fn caller_identities<T>(request: &Request<T>) -> Result<Vec<String>, AuthError> {
+    let certs = request.peer_certs().filter(|certs| !certs.is_empty()).ok_or(AuthError::NoCertificate)?;
+    identities(certs[0].as_ref()).map_err(AuthError::BadCertificate)
 }
 
 /// The DNS names in a DER certificate's subjectAltName.
@@ -240,7 +261,7 @@ mod tests {
     fn with_tls_a_caller_without_a_certificate_is_unauthenticated() {
         let peers = Peers { allowed: Some(Arc::new(["prefill-1".to_owned()].into())) };
         let request = Request::new(());
-        assert_eq!(peers.authorized(&request).unwrap_err().code(), tonic::Code::Unauthenticated);
-        assert_eq!(peers.authenticated(&request).unwrap_err().code(), tonic::Code::Unauthenticated);
+        assert_eq!(peers.authorized(&request).unwrap_err().code(), Code::Unauthenticated);
+        assert_eq!(peers.authenticated(&request).unwrap_err().code(), Code::Unauthenticated);
     }
 }

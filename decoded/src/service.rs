@@ -12,7 +12,7 @@ use pdbridge_common::{
     },
     shard::ShardError,
     spec, telemetry,
-    tls::Peers,
+    tls::{AuthError, Peers},
 };
 use tokio::{io::AsyncReadExt, sync::Semaphore};
 use tokio_stream::Stream;
@@ -86,6 +86,8 @@ pub enum ServiceError {
     PushIdle(Duration),
     #[error("token_ids: {0}")]
     BadTokens(String),
+    #[error(transparent)]
+    Auth(#[from] AuthError),
 }
 
 /// The one mapping from domain errors to gRPC status codes.
@@ -97,6 +99,7 @@ pub fn status_of(err: &ServiceError) -> Status {
         ServiceError::BadStream(_) | ServiceError::BadTokens(_) => Code::InvalidArgument,
         ServiceError::TooManyPushStreams { .. } => Code::ResourceExhausted,
         ServiceError::PushIdle(_) => Code::DeadlineExceeded,
+        ServiceError::Auth(e) => e.code(),
         ServiceError::Ingest(e) => match e {
             IngestError::SpecMismatch { .. } => Code::FailedPrecondition,
             IngestError::Shard { source: ShardError::Checksum { .. }, .. } => Code::DataLoss,
@@ -114,26 +117,19 @@ pub fn status_of(err: &ServiceError) -> Status {
     Status::new(code, err.to_string())
 }
 
-/// Counts an authentication or authorization refusal on its way out.
-fn refuse(status: Status) -> Status {
-    metrics::counter!("pdbridge_grpc_errors_total", "service" => "CacheStore", "code" => format!("{:?}", status.code()))
-        .increment(1);
-    status
-}
-
 type BundleStream = Pin<Box<dyn Stream<Item = Result<BundleChunk, Status>> + Send>>;
 
 #[tonic::async_trait]
 impl CacheStore for CacheStoreService {
     async fn get_spec(&self, request: Request<GetSpecRequest>) -> Result<Response<CacheSpec>, Status> {
-        self.peers.authenticated(&request).map_err(refuse)?;
+        self.peers.authenticated(&request).map_err(|e| status_of(&e.into()))?;
         Ok(Response::new(self.info()?.spec.clone()))
     }
 
     type GetBundleStream = BundleStream;
 
     async fn get_bundle(&self, request: Request<GetBundleRequest>) -> Result<Response<BundleStream>, Status> {
-        self.peers.authorized(&request).map_err(refuse)?;
+        self.peers.authorized(&request).map_err(|e| status_of(&e.into()))?;
         let info = self.info()?;
         Self::check_spec(&info, &request.get_ref().spec_fingerprint)?;
         let mut file = tokio::fs::File::open(&info.bundle_path)
@@ -165,7 +161,7 @@ impl CacheStore for CacheStoreService {
     }
 
     async fn lookup(&self, request: Request<LookupRequest>) -> Result<Response<LookupResponse>, Status> {
-        self.peers.authorized(&request).map_err(refuse)?;
+        self.peers.authorized(&request).map_err(|e| status_of(&e.into()))?;
         let info = self.info()?;
         let request = request.into_inner();
         Self::check_spec(&info, &request.spec_fingerprint)?;
@@ -185,7 +181,7 @@ impl CacheStore for CacheStoreService {
     }
 
     async fn push(&self, request: Request<Streaming<PushFrame>>) -> Result<Response<PushReceipt>, Status> {
-        let caller = self.peers.authorized(&request).map_err(refuse)?;
+        let peer = self.peers.authorized(&request).map_err(|e| status_of(&e.into()))?;
         let info = self.info()?;
         let _slot = self
             .push_slots
@@ -200,9 +196,6 @@ impl CacheStore for CacheStoreService {
         };
         spec::check_tokens(&info.spec, &open.token_ids)
             .map_err(|problem| status_of(&ServiceError::BadTokens(problem)))?;
-        if let Some(caller) = caller {
-            tracing::debug!(request_id = open.request_id, caller, "push from an authorized peer");
-        }
         let spec = Arc::new(info.spec.clone());
         let mut ingest =
             Ingest::open(spec, self.store.clone(), open, self.max_open_blocks).map_err(|e| status_of(&e.into()))?;
@@ -221,6 +214,7 @@ impl CacheStore for CacheStoreService {
         }))?;
         tracing::info!(
             request_id,
+            peer = peer.as_deref().unwrap_or("-"),
             blocks = receipt.blocks_committed,
             bytes = receipt.bytes,
             reason = receipt.reason,

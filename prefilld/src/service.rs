@@ -43,7 +43,7 @@ impl Prefiller for PrefillerService {
     type PrefillStream = EventStream;
 
     async fn prefill(&self, request: Request<PrefillRequest>) -> Result<Response<EventStream>, Status> {
-        self.peers.authorized(&request).map_err(refuse)?;
+        self.peers.authorized(&request).map_err(|e| refuse(e.into()))?;
         let request = request.into_inner();
         // A caller never chooses where prefilld connects: only configured decoders.
         let decoder_addr = match (request.decoder_addr.is_empty(), self.decoders.first()) {
