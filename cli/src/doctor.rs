@@ -16,7 +16,7 @@ use serde_json::Value;
 use tonic::transport::Channel;
 use tonic_health::pb::{HealthCheckRequest, health_check_response::ServingStatus, health_client::HealthClient};
 
-use crate::{Endpoints, connect};
+use crate::{Endpoints, connect, reason_label};
 
 /// Largest clock difference between the hosts that still passes.
 const MAX_SKEW: Duration = Duration::from_secs(2);
@@ -258,7 +258,7 @@ async fn test_bridge(decoded: Channel, prefilld: Channel, decoder_addr: &str) ->
                     outcome.bytes,
                     started.elapsed().as_secs_f64()
                 )),
-                status => Err(format!("{status:?}: {}", outcome.reason)),
+                status => Err(format!("{status:?}: {}: {}", reason_label(&outcome), outcome.detail)),
             };
         }
     }

@@ -93,6 +93,11 @@ pub async fn run(cli: Cli) -> ExitCode {
     }
 }
 
+/// An outcome's reason as the verdict and metrics name it.
+fn reason_label(outcome: &pdbridge_common::proto::Outcome) -> &'static str {
+    pdbridge_common::reason::Reason::from_proto(outcome.reason()).map_or("none", |r| r.label())
+}
+
 /// A gRPC channel that fails fast when nothing listens; over mutual TLS
 /// (expecting the server to hold `identity`) when `tls` is given.
 async fn connect(addr: &str, tls: Option<&Tls>, identity: Option<&str>) -> Result<tonic::transport::Channel, String> {

@@ -9,7 +9,7 @@ use pdbridge_common::proto::{
 };
 use serde_json::{Value, json};
 
-use crate::connect;
+use crate::{connect, reason_label};
 
 #[derive(Debug, Args)]
 pub struct WarmArgs {
@@ -95,10 +95,13 @@ async fn warm(args: &WarmArgs) -> Result<String, String> {
                         "warm: bridged {} blocks ({} bytes); {covered}",
                         outcome.blocks_committed, outcome.bytes
                     )),
-                    OutcomeStatus::Partial => {
-                        Err(format!("partial: {} blocks; {covered}; {}", outcome.blocks_committed, outcome.reason))
-                    }
-                    _ => Err(format!("failed: {}", outcome.reason)),
+                    OutcomeStatus::Partial => Err(format!(
+                        "partial: {} blocks; {covered}; {}: {}",
+                        outcome.blocks_committed,
+                        reason_label(&outcome),
+                        outcome.detail
+                    )),
+                    _ => Err(format!("failed: {}: {}", reason_label(&outcome), outcome.detail)),
                 };
             }
             None => {}

@@ -12,6 +12,7 @@ pub mod grpc;
 pub mod process;
 pub mod proto;
 pub mod readiness;
+pub mod reason;
 pub mod request_id;
 pub mod shard;
 pub mod shutdown;

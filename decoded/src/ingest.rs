@@ -19,7 +19,8 @@ use tokio::task::JoinSet;
 
 use pdbridge_common::{
     block::{self, BlockKey},
-    proto::{CacheSpec, Dtype, PushOpen, PushReceipt, PushSeal, Shard},
+    proto::{self, CacheSpec, Dtype, PushOpen, PushReceipt, PushSeal, Shard},
+    reason::Reason,
     shard::{ShardError, TensorAssembly},
     spec,
 };
@@ -208,7 +209,7 @@ impl Ingest {
             .find(|&i| !self.store.contains(&self.keys[i]))
             .unwrap_or(self.keys.len()) as u32;
         let committed = self.committed;
-        let reason = match seal {
+        let detail = match seal {
             None => "stream ended without a seal".to_owned(),
             Some(seal) if committed < seal.blocks_emitted => {
                 let incomplete: Vec<_> = self.open.keys().collect();
@@ -216,7 +217,14 @@ impl Ingest {
             }
             Some(_) => String::new(),
         };
-        Ok(PushReceipt { blocks_committed: committed, bytes: self.bytes, first_missing_block: first_missing, reason })
+        let reason = if detail.is_empty() { proto::Reason::Unspecified } else { Reason::TransferFailed.to_proto() };
+        Ok(PushReceipt {
+            blocks_committed: committed,
+            bytes: self.bytes,
+            first_missing_block: first_missing,
+            detail,
+            reason: reason as i32,
+        })
     }
 }
 

@@ -162,14 +162,11 @@ async fn store_status(axum::extract::State(store): axum::extract::State<Arc<Stor
 /// decoded's metrics, registered at zero (see `telemetry::register_common`).
 fn register_metrics() {
     telemetry::register_common("mlx", "CacheStore");
-    metrics::describe_counter!("pdbridge_bridge_outcomes_total", "Front-door answers by verdict outcome and reason.");
-    metrics::describe_histogram!(
-        "pdbridge_ttft_seconds",
-        metrics::Unit::Seconds,
-        "Time to first token at the front door."
-    );
-    metrics::describe_gauge!("pdbridge_front_requests_in_flight", "Front-door requests in progress.");
-    metrics::gauge!("pdbridge_front_requests_in_flight").set(0.0);
+    use front::verdict::metric;
+    metrics::describe_counter!(metric::OUTCOMES, "Front-door answers by verdict outcome and reason.");
+    metrics::describe_histogram!(metric::TTFT, metrics::Unit::Seconds, "Time to first token at the front door.");
+    metrics::describe_gauge!(metric::IN_FLIGHT, "Front-door requests in progress.");
+    metrics::gauge!(metric::IN_FLIGHT).set(0.0);
     metrics::describe_gauge!("pdbridge_push_streams_in_flight", "Push streams in progress.");
     metrics::gauge!("pdbridge_push_streams_in_flight").set(0.0);
     metrics::describe_gauge!("pdbridge_store_leased_blocks", "Blocks held for running generations (never evicted).");
@@ -179,7 +176,7 @@ fn register_metrics() {
         ("pdbridge_store_quarantined_total", "Block files quarantined (name, contents or checksum disagree)."),
         ("pdbridge_store_blocks_committed_total", "Blocks committed from Push streams."),
         ("pdbridge_push_bytes_total", "Bytes of blocks committed from Push streams."),
-        ("pdbridge_front_unauthorized_total", "Front-door requests refused for a missing or wrong API key."),
+        (metric::UNAUTHORIZED, "Front-door requests refused for a missing or wrong API key."),
     ] {
         metrics::describe_counter!(name, help);
         metrics::counter!(name).absolute(0);

@@ -2,7 +2,53 @@
 //! before anything reaches the engine, so a client's mistake is a 400 that
 //! names the field, never an engine error.
 
-use serde_json::{Map, Value};
+use serde_json::{Map, Value, json};
+
+/// Which endpoint a request came in on: its response objects differ.
+#[derive(Clone, Copy, Debug)]
+pub enum Kind {
+    /// `/v1/chat/completions`
+    Chat,
+    /// `/v1/completions`
+    Text,
+}
+
+/// A whole (non-streamed) answer, without `usage`.
+pub fn completion(kind: Kind, id: &str, created: u64, model: &str, text: &str, finish: &str) -> Value {
+    match kind {
+        Kind::Chat => json!({
+            "id": id, "object": "chat.completion", "created": created, "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}],
+        }),
+        Kind::Text => json!({
+            "id": id, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text, "finish_reason": finish}],
+        }),
+    }
+}
+
+/// One streamed chunk: a piece of text, or the end with its finish reason.
+pub fn chunk(kind: Kind, id: &str, created: u64, model: &str, text: Option<&str>, finish: Option<&str>) -> Value {
+    match kind {
+        Kind::Chat => json!({
+            "id": id, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [{"index": 0, "delta": text.map_or(json!({}), |t| json!({"content": t})), "finish_reason": finish}],
+        }),
+        Kind::Text => json!({
+            "id": id, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text.unwrap_or(""), "finish_reason": finish}],
+        }),
+    }
+}
+
+pub fn usage(prompt_tokens: u32, completion_tokens: u32, cached_tokens: u32) -> Value {
+    json!({
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    })
+}
 
 /// A request the front door refuses; the message names the field.
 #[derive(Debug, thiserror::Error, PartialEq)]

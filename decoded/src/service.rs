@@ -217,7 +217,7 @@ impl CacheStore for CacheStoreService {
             peer = peer.as_deref().unwrap_or("-"),
             blocks = receipt.blocks_committed,
             bytes = receipt.bytes,
-            reason = receipt.reason,
+            detail = receipt.detail,
             "push done"
         );
         Ok(Response::new(receipt))

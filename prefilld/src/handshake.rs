@@ -14,6 +14,7 @@ use std::{
 use pdbridge_common::{
     config::Http2Config,
     proto::{CacheSpec, GetBundleRequest, GetSpecRequest, cache_store_client::CacheStoreClient},
+    reason::Reason,
     spec,
     tls::{self, Tls},
 };
@@ -39,13 +40,11 @@ pub enum HandshakeError {
 }
 
 impl HandshakeError {
-    /// Machine-readable reason for verdicts and metrics.
-    pub fn reason(&self) -> &'static str {
+    pub fn reason(&self) -> Reason {
         match self {
-            HandshakeError::Unreachable { .. } => "decoder_unavailable",
-            HandshakeError::SpecMismatch { .. } => "spec_mismatch",
-            HandshakeError::Unsupported { .. } => "unsupported_model",
-            HandshakeError::Bundle { .. } => "bundle_failed",
+            HandshakeError::Unreachable { .. } | HandshakeError::Bundle { .. } => Reason::DecoderUnreachable,
+            HandshakeError::SpecMismatch { .. } => Reason::SpecMismatch,
+            HandshakeError::Unsupported { .. } => Reason::UnsupportedModel,
         }
     }
 }

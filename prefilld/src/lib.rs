@@ -131,6 +131,9 @@ pub async fn serve(listeners: Listeners, config: Config, shutdown: Shutdown) -> 
 
 /// How often the default decoder's spec is re-checked while ready.
 const DECODER_RECHECK: std::time::Duration = std::time::Duration::from_secs(10);
+/// How soon a decoder that was not usable is tried again (a restarted decoder
+/// is met again within this, not after a full recheck period).
+const DECODER_RETRY: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// Ready means: vLLM answers, and the default decoder (if any) has been met
 /// and still publishes the spec prefilld checked.
@@ -150,10 +153,11 @@ async fn track_readiness(bridge: Arc<Bridge>, decoder: Option<String>, readiness
             },
         };
         readiness.set(engine_ready && decoder_ok);
+        let next = if decoder_ok { DECODER_RECHECK } else { DECODER_RETRY };
         tokio::select! {
             _ = stop.cancelled() => return,
             _ = engine.changed() => {}
-            _ = tokio::time::sleep(DECODER_RECHECK) => {}
+            _ = tokio::time::sleep(next) => {}
         }
     }
 }

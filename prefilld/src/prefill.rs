@@ -11,6 +11,7 @@ use pdbridge_common::{
         Dtype, LookupRequest, Outcome, PrefillEvent, Progress, PushFrame, PushOpen, PushReceipt, PushSeal,
         outcome::Status as OutcomeStatus, prefill_event::Event, push_frame::Frame,
     },
+    reason::Reason,
     shard::{self, TensorId},
     spec, telemetry,
 };
@@ -76,11 +77,11 @@ pub struct Job {
 
 /// A failure that ends a prefill with an outcome rather than a gRPC error.
 struct Failure {
-    reason: &'static str,
+    reason: Reason,
     message: String,
 }
 
-fn fail(reason: &'static str, message: impl Into<String>) -> Failure {
+fn fail(reason: Reason, message: impl Into<String>) -> Failure {
     Failure { reason, message: message.into() }
 }
 
@@ -94,13 +95,14 @@ impl Bridge {
             Err(failure) => {
                 tracing::warn!(
                     request_id = job.request_id,
-                    reason = failure.reason,
+                    reason = failure.reason.label(),
                     message = failure.message,
                     "prefill failed"
                 );
                 Outcome {
                     status: OutcomeStatus::Failed as i32,
-                    reason: format!("{}: {}", failure.reason, failure.message),
+                    reason: failure.reason.to_proto() as i32,
+                    detail: failure.message,
                     ..Default::default()
                 }
             }
@@ -111,7 +113,7 @@ impl Bridge {
             OutcomeStatus::Partial => "partial",
             _ => "failed",
         };
-        let reason = outcome.reason.split(':').next().unwrap_or_default().to_owned();
+        let reason = Reason::from_proto(outcome.reason()).map_or("none", Reason::label);
         metrics::counter!("pdbridge_prefill_requests_total", "outcome" => label, "reason" => reason).increment(1);
         metrics::histogram!("pdbridge_prefill_duration_seconds").record(started.elapsed().as_secs_f64());
         tracing::info!(request_id = job.request_id, outcome = label, blocks = outcome.blocks_committed, bytes = outcome.bytes, elapsed = ?started.elapsed(), "prefill done");
@@ -127,7 +129,7 @@ impl Bridge {
 
     async fn bridge(&self, job: &mut Job, events: &mpsc::Sender<PrefillEvent>) -> Result<Outcome, Failure> {
         let decoder = self.decoders.get(&job.decoder_addr).await.map_err(|e| fail(e.reason(), e.to_string()))?;
-        spec::check_tokens(&decoder.spec, &job.token_ids).map_err(|problem| fail("bad_request", problem))?;
+        spec::check_tokens(&decoder.spec, &job.token_ids).map_err(|problem| fail(Reason::BadRequest, problem))?;
         let b = decoder.spec.block_tokens;
         let whole_blocks = job.token_ids.len() as u32 / b;
         let first_block = match job.first_block {
@@ -138,7 +140,7 @@ impl Bridge {
             return Ok(Outcome {
                 status: OutcomeStatus::Bridged as i32,
                 tokens_covered: whole_blocks * b,
-                reason: "already cached".into(),
+                detail: "already cached".into(),
                 ..Default::default()
             });
         }
@@ -185,7 +187,7 @@ impl Bridge {
                 event = registration.events.recv() => match event {
                     Some(PluginEvent::Block { index, tensors, payload }) => {
                         if index < first_block || index >= whole_blocks {
-                            break Err(fail("plugin_error", format!("plugin sent block {index} outside {first_block}..{whole_blocks}")));
+                            break Err(fail(Reason::PrefillFailed, format!("plugin sent block {index} outside {first_block}..{whole_blocks}")));
                         }
                         first_block_at.get_or_insert_with(Instant::now);
                         match self.send_block(stripes.sender(index), index, &tensors, payload).await {
@@ -202,28 +204,28 @@ impl Bridge {
                     Some(PluginEvent::Done { num_tokens, blocks_emitted, timings_ms }) => {
                         stage_ms.extend(timings_ms);
                         if num_tokens as usize != prompt.len() {
-                            break Err(fail("length_mismatch", format!("captured {num_tokens} tokens of {}", prompt.len())));
+                            break Err(fail(Reason::PrefillFailed, format!("captured {num_tokens} tokens of {}", prompt.len())));
                         }
                         break Ok(blocks_emitted);
                     }
-                    Some(PluginEvent::Error { reason, message }) => break Err(fail("plugin_error", format!("{reason}: {message}"))),
-                    None => break Err(fail("plugin_error", "plugin channel closed")),
+                    Some(PluginEvent::Error { reason, message }) => break Err(fail(Reason::PrefillFailed, format!("plugin: {reason}: {message}"))),
+                    None => break Err(fail(Reason::PrefillFailed, "plugin channel closed")),
                 },
                 result = &mut prefill, if prefill_done_at.is_none() => {
                     prefill_done_at = Some(Instant::now());
                     stage_ms.insert("prefill".into(), prefill_started.elapsed().as_secs_f64() * 1e3);
                     match result {
                         Ok(Ok(_)) => {}
-                        Ok(Err(e)) => break Err(fail("prefill_failed", e.to_string())),
-                        Err(e) => break Err(fail("prefill_failed", e.to_string())),
+                        Ok(Err(e)) => break Err(fail(Reason::PrefillFailed, e.to_string())),
+                        Err(e) => break Err(fail(Reason::PrefillFailed, e.to_string())),
                     }
                 }
                 // The caller went away (its deadline passed, its client left): stop
                 // prefilling for nobody; blocks already sent are still sealed below.
-                _ = events.closed() => break Err(fail("cancelled", "the caller went away")),
+                _ = events.closed() => break Err(fail(Reason::Cancelled, "the caller went away")),
                 _ = tokio::time::sleep_until(grace) => {
                     let what = if prefill_done_at.is_some() { "no end-of-prefill event from the plugin" } else { "prefill deadline passed" };
-                    break Err(fail("timeout", what));
+                    break Err(fail(Reason::Timeout, what));
                 }
             }
         };
@@ -237,7 +239,7 @@ impl Bridge {
                 self.decoders.forget(&decoder.addr);
             }
             fail(
-                if s.code() == tonic::Code::FailedPrecondition { "spec_mismatch" } else { "transfer_failed" },
+                if s.code() == tonic::Code::FailedPrecondition { Reason::SpecMismatch } else { Reason::TransferFailed },
                 s.message().to_owned(),
             )
         })?;
@@ -253,14 +255,16 @@ impl Bridge {
         }
 
         let committed = receipt.blocks_committed;
-        let (status, reason) = match end {
-            Ok(emitted) if committed == num_blocks && emitted == num_blocks => (OutcomeStatus::Bridged, receipt.reason),
-            Ok(emitted) => {
-                (OutcomeStatus::Partial, format!("emitted {emitted} of {num_blocks} blocks; {}", receipt.reason))
+        let (status, reason, detail) = match end {
+            Ok(emitted) if committed == num_blocks && emitted == num_blocks => {
+                (OutcomeStatus::Bridged, None, receipt.detail)
             }
-            Err(failure) if committed > 0 => {
-                (OutcomeStatus::Partial, format!("{}: {}", failure.reason, failure.message))
-            }
+            Ok(emitted) => (
+                OutcomeStatus::Partial,
+                Some(Reason::from_proto(receipt.reason()).unwrap_or(Reason::TransferFailed)),
+                format!("emitted {emitted} of {num_blocks} blocks; {}", receipt.detail),
+            ),
+            Err(failure) if committed > 0 => (OutcomeStatus::Partial, Some(failure.reason), failure.message),
             Err(failure) => return Err(failure),
         };
         Ok(Outcome {
@@ -268,7 +272,8 @@ impl Bridge {
             blocks_committed: committed,
             tokens_covered: receipt.first_missing_block * b,
             bytes: receipt.bytes,
-            reason,
+            reason: reason.map_or(pdbridge_common::proto::Reason::Unspecified, Reason::to_proto) as i32,
+            detail,
             stage_ms: stage_ms.into_iter().collect(),
         })
     }
@@ -283,9 +288,9 @@ impl Bridge {
         let reply = decoder.client.clone().lookup(request).await.map_err(|s| {
             if s.code() == tonic::Code::FailedPrecondition {
                 self.decoders.forget(&decoder.addr);
-                fail("spec_mismatch", s.message().to_owned())
+                fail(Reason::SpecMismatch, s.message().to_owned())
             } else {
-                fail("decoder_unavailable", s.message().to_owned())
+                fail(Reason::DecoderUnreachable, s.message().to_owned())
             }
         })?;
         Ok(reply.into_inner().cached_blocks)
@@ -303,7 +308,7 @@ impl Bridge {
         let mut bytes = 0;
         for t in tensors {
             let dtype = Dtype::from_safetensors_name(&t.dtype)
-                .ok_or_else(|| fail("plugin_error", format!("dtype {}", t.dtype)))?;
+                .ok_or_else(|| fail(Reason::PrefillFailed, format!("dtype {}", t.dtype)))?;
             let id =
                 TensorId { block_index: index, layer: t.layer, tensor: t.name.clone(), dtype, shape: t.shape.clone() };
             let data = payload.slice(t.offset..t.offset + t.nbytes);
@@ -360,7 +365,7 @@ impl Stripes {
         }
         drop(self.senders);
         let mut merged = PushReceipt::default();
-        let mut reasons = Vec::new();
+        let mut details = Vec::new();
         let mut failed = None;
         for push in self.pushes {
             match push.await.map_err(|e| tonic::Status::internal(e.to_string())).and_then(|r| r) {
@@ -370,14 +375,17 @@ impl Stripes {
                     merged.bytes += receipt.bytes;
                     // Each stream looks at the store when it ends; the last sees the most.
                     merged.first_missing_block = merged.first_missing_block.max(receipt.first_missing_block);
-                    reasons.extend((!receipt.reason.is_empty()).then_some(receipt.reason));
+                    if receipt.reason() != pdbridge_common::proto::Reason::Unspecified {
+                        merged.reason = receipt.reason;
+                    }
+                    details.extend((!receipt.detail.is_empty()).then_some(receipt.detail));
                 }
                 Err(status) => {
                     failed.get_or_insert(status);
                 }
             }
         }
-        merged.reason = reasons.join("; ");
+        merged.detail = details.join("; ");
         failed.map_or(Ok(merged), Err)
     }
 }
@@ -386,5 +394,5 @@ async fn send(frames: &mpsc::Sender<PushFrame>, frame: Frame) -> Result<(), Fail
     frames
         .send(PushFrame { frame: Some(frame) })
         .await
-        .map_err(|_| fail("transfer_failed", "the decoder closed the Push stream"))
+        .map_err(|_| fail(Reason::TransferFailed, "the decoder closed the Push stream"))
 }

@@ -287,7 +287,7 @@ impl Run<'_> {
         let mut committed = 0;
         for push in pushes {
             let receipt = push.await.unwrap().expect("push succeeds").into_inner();
-            assert!(receipt.reason.is_empty(), "{}", receipt.reason);
+            assert!(receipt.detail.is_empty(), "{}", receipt.detail);
             committed += receipt.blocks_committed;
         }
         let seconds = started.elapsed().as_secs_f64();

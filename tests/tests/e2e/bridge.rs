@@ -236,6 +236,8 @@ async fn bridged_answers_on_real_engines() {
     assert_eq!(decoded.wait(Duration::from_secs(60)).await.code(), Some(0));
     let mut decoded = Daemon::start("decoded", &decoded_config).await;
     decoded.wait_ready(Duration::from_secs(300)).await;
+    // prefilld is ready only while its decoder is: it met this one again.
+    prefilld.wait_ready(Duration::from_secs(60)).await;
     let after_restart = chat(&decoded, &extended, "auto").await;
     assert_eq!(after_restart.verdict["outcome"], "cached", "{}", after_restart.verdict);
     assert_eq!(after_restart.cached_tokens(), second.cached_tokens());
@@ -279,7 +281,8 @@ async fn bridged_answers_on_real_engines() {
     );
     assert_eq!(slow.text(), bridged.text());
     let required = chat(&hasty, &first, "bridge").await;
-    assert_eq!((required.status, &required.verdict["reason"]), (502, &json!("timeout")), "{}", required.verdict);
+    // A required bridge that ran out of time is the gateway's timeout.
+    assert_eq!((required.status, &required.verdict["reason"]), (504, &json!("timeout")), "{}", required.verdict);
     drop(hasty);
 
     // 5d. vLLM crashes mid-prefill: the answer is honest about what landed, and prefilld

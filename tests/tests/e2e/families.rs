@@ -106,6 +106,6 @@ async fn generated_families_bridge_as_their_decoder_answers() {
     let outcome = outcome.expect("an outcome");
     assert_eq!(outcome.status(), Status::Failed, "{outcome:?}");
     assert_eq!(outcome.blocks_committed, 0);
-    assert!(outcome.reason.starts_with("unsupported_model"), "{}", outcome.reason);
-    assert!(outcome.reason.contains("layer 1: ArraysCache: recurrent state"), "{}", outcome.reason);
+    assert_eq!(outcome.reason(), pdbridge_common::proto::Reason::UnsupportedModel, "{}", outcome.detail);
+    assert!(outcome.detail.contains("layer 1: ArraysCache: recurrent state"), "{}", outcome.detail);
 }

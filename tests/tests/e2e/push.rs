@@ -136,7 +136,8 @@ async fn bad_shards_are_refused_and_committed_blocks_survive() {
     let receipt = push(&mut client, frames(open(0), shards, Some(2))).await.unwrap();
     assert_eq!(receipt.blocks_committed, 1);
     assert_eq!(receipt.first_missing_block, 1);
-    assert!(!receipt.reason.is_empty(), "a short stream says why");
+    assert!(!receipt.detail.is_empty(), "a short stream says why");
+    assert_eq!(receipt.reason(), pdbridge_common::proto::Reason::TransferFailed);
     assert_eq!(cached_blocks(&mut client, &tokens).await, 1);
 
     // A corrupt shard in block 2 after a good block 1: block 1 stays committed.
@@ -163,7 +164,7 @@ async fn bad_shards_are_refused_and_committed_blocks_survive() {
     let shards: Vec<Shard> = (0..6).flat_map(|b| block_shards(&spec, b, 5)).collect();
     let receipt =
         push(&mut client, frames(PushOpen { token_ids: wide.clone(), ..open(0) }, shards, Some(6))).await.unwrap();
-    assert_eq!((receipt.blocks_committed, receipt.first_missing_block), (6, 6), "{}", receipt.reason);
+    assert_eq!((receipt.blocks_committed, receipt.first_missing_block), (6, 6), "{}", receipt.detail);
     assert_eq!(cached_blocks(&mut client, &wide).await, 6);
 
     // A restart keeps every committed block.
@@ -190,7 +191,7 @@ async fn bad_shards_are_refused_and_committed_blocks_survive() {
         assert_eq!(err.code(), Code::DeadlineExceeded, "{err:?}");
     }
     let receipt = push(&mut client, frames(open(0), block_shards(&spec, 0, 1), Some(1))).await.unwrap();
-    assert_eq!(receipt.blocks_committed, 1, "a freed slot takes a new stream: {}", receipt.reason);
+    assert_eq!(receipt.blocks_committed, 1, "a freed slot takes a new stream: {}", receipt.detail);
     assert!(stray_files(&store).is_empty());
 
     // decoded killed mid-Push (SIGKILL, no drain): the block committed before the kill is
@@ -305,14 +306,14 @@ async fn a_full_disk_refuses_blocks_cleanly_then_evicts_to_make_room() {
     disk.unfill();
     let shards: Vec<Shard> = (0..3).flat_map(|b| block_shards(&spec, b, 1)).collect();
     let receipt = push(&mut client, frames(open(0), shards, Some(3))).await.unwrap();
-    assert_eq!(receipt.blocks_committed, 3, "{}", receipt.reason);
+    assert_eq!(receipt.blocks_committed, 3, "{}", receipt.detail);
 
     // Full again, but with cold blocks: the coldest is evicted to make room for the new one.
     disk.fill_to(block_bytes / 2);
     let evictions = "pdbridge_store_evictions_total";
     let evicted_before = decoded.metric(evictions).await.unwrap();
     let receipt = push(&mut client, frames(open(3), block_shards(&spec, 3, 1), Some(1))).await.unwrap();
-    assert_eq!(receipt.blocks_committed, 1, "{}", receipt.reason);
+    assert_eq!(receipt.blocks_committed, 1, "{}", receipt.detail);
     assert!(decoded.metric(evictions).await.unwrap() > evicted_before, "a cold block made room");
     assert!(cached_blocks(&mut client, &tokens).await < 4, "a block of the four was evicted");
     assert!(stray_files(&store).is_empty(), "{:?}", stray_files(&store));
@@ -344,7 +345,7 @@ async fn concurrent_pushes_of_one_block_all_succeed() {
         .collect();
     for racer in racers {
         let receipt = racer.await.unwrap().expect("every racing Push succeeds");
-        assert_eq!(receipt.blocks_committed, 1, "{}", receipt.reason);
+        assert_eq!(receipt.blocks_committed, 1, "{}", receipt.detail);
     }
     assert_eq!(cached_blocks(&mut client.clone(), &tokens).await, 1);
     let files: Vec<_> = std::fs::read_dir(store.join("blocks")).unwrap().flatten().collect();

@@ -107,7 +107,7 @@ async fn only_the_configured_prefiller_may_write_or_read_the_decoders_cache() {
     assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
     assert!(err.message().contains("outside the vocabulary"), "{}", err.message());
     let receipt = push(&mut client, poison()).await.unwrap();
-    assert_eq!(receipt.blocks_committed, 1, "{}", receipt.reason);
+    assert_eq!(receipt.blocks_committed, 1, "{}", receipt.detail);
     let refusals = decoded.metric("pdbridge_grpc_errors_total{service=\"CacheStore\",code=\"PermissionDenied\"}").await;
     assert_eq!(refusals, Some(3.0));
 }

@@ -1,0 +1,187 @@
+//! What an answer says about the bridge: the `X-PD-Bridge` verdict, and the
+//! metrics counted from it.
+
+use std::collections::BTreeMap;
+
+use axum::{http::HeaderValue, response::Response};
+use pdbridge_common::{reason::Reason, telemetry};
+use serde::Serialize;
+use tokio::time::Instant;
+
+use crate::engine::GenerateSummary;
+
+/// The response header carrying the verdict.
+pub const VERDICT_HEADER: &str = "x-pd-bridge";
+
+/// How much of the prompt came from the store, and from where.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Outcome {
+    /// Every whole block came over the bridge for this request.
+    Bridged,
+    /// A prefix did.
+    Partial,
+    /// The store already had them.
+    Cached,
+    /// Nothing was restored.
+    Native,
+}
+
+impl Outcome {
+    pub fn label(self) -> &'static str {
+        match self {
+            Outcome::Bridged => "bridged",
+            Outcome::Partial => "partial",
+            Outcome::Cached => "cached",
+            Outcome::Native => "native",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Verdict {
+    pub outcome: Outcome,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reason: Option<Reason>,
+    /// What prefilld said when the bridge fell short (e.g. which layer of an unsupported model, and why).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub detail: Option<String>,
+    pub prompt_tokens: u32,
+    /// Prompt tokens restored from the store.
+    pub cached_tokens: u32,
+    /// Blocks this request pushed through the bridge, of `block_tokens` each.
+    pub blocks: u32,
+    pub block_tokens: u32,
+    pub bytes: u64,
+    pub timings_ms: BTreeMap<String, f64>,
+}
+
+/// The plan for one request, before generation.
+pub struct Plan {
+    pub verdict: Verdict,
+    /// Store blocks the engine restores (a prefix of the prompt's keys).
+    pub blocks: usize,
+}
+
+impl Plan {
+    /// Restoring `restored` whole blocks of `b` tokens of a prompt of `prompt_tokens`.
+    pub fn new(outcome: Outcome, reason: Option<Reason>, prompt_tokens: usize, restored: usize, b: usize) -> Plan {
+        let verdict = Verdict {
+            outcome,
+            reason,
+            detail: None,
+            prompt_tokens: prompt_tokens as u32,
+            // The engine computes the last token itself, to have its logits.
+            cached_tokens: (restored * b).min(prompt_tokens - 1) as u32,
+            blocks: 0,
+            block_tokens: b as u32,
+            bytes: 0,
+            timings_ms: BTreeMap::new(),
+        };
+        Plan { verdict, blocks: restored }
+    }
+
+    /// Restores only the first `leased` blocks (the rest were evicted since
+    /// planning), saying so in the verdict.
+    pub fn restrict_to(&mut self, leased: usize, total: usize, b: usize) {
+        if leased >= self.blocks {
+            return;
+        }
+        self.blocks = leased;
+        let verdict = &mut self.verdict;
+        verdict.cached_tokens = (leased * b).min(verdict.prompt_tokens as usize - 1) as u32;
+        verdict.outcome = match leased {
+            0 => Outcome::Native,
+            n if n < total && verdict.outcome == Outcome::Bridged => Outcome::Partial,
+            _ => verdict.outcome,
+        };
+        verdict.reason = verdict.reason.or(Some(Reason::Evicted));
+    }
+}
+
+/// `text` as it can travel in a header: printable ASCII, at most 400 characters.
+pub fn header_safe(text: &str) -> String {
+    const MAX: usize = 400;
+    let mut out: String = text.chars().map(|c| if c == ' ' || c.is_ascii_graphic() { c } else { '?' }).collect();
+    if out.len() > MAX {
+        out.truncate(MAX - 3);
+        out.push_str("...");
+    }
+    out
+}
+
+pub fn set(response: &mut Response, verdict: &Verdict) {
+    let json = serde_json::to_string(verdict).expect("verdict serializes");
+    response.headers_mut().insert(VERDICT_HEADER, HeaderValue::from_str(&json).expect("ascii json"));
+}
+
+/// Metric names the front door records (registered at start by `decoded::serve`).
+pub mod metric {
+    pub const OUTCOMES: &str = "pdbridge_bridge_outcomes_total";
+    pub const TTFT: &str = "pdbridge_ttft_seconds";
+    pub const UNAUTHORIZED: &str = "pdbridge_front_unauthorized_total";
+    pub const IN_FLIGHT: &str = "pdbridge_front_requests_in_flight";
+}
+
+/// Stages of a front-door request, as `pdbridge_stage_seconds{stage}`.
+pub fn record_stages(verdict: &Verdict, summary: &GenerateSummary) {
+    let ms = |key: &str| verdict.timings_ms.get(key).copied();
+    for (stage, value) in [
+        ("tokenize", ms("tokenize")),
+        ("bridge", ms("bridge")),
+        ("restore", summary.timings_ms.get("restore").copied()),
+        ("tail_prefill", summary.timings_ms.get("prefill").copied()),
+        ("first_token", summary.timings_ms.get("first_token").copied()),
+    ] {
+        if let Some(value) = value {
+            telemetry::record_stage(stage, value / 1e3);
+        }
+    }
+}
+
+pub fn record_outcome(verdict: &Verdict) {
+    metrics::counter!(
+        metric::OUTCOMES,
+        "outcome" => verdict.outcome.label(),
+        "reason" => verdict.reason.map_or("none", Reason::label)
+    )
+    .increment(1);
+}
+
+pub fn record_ttft(verdict: &Verdict, started: Instant) {
+    metrics::histogram!(metric::TTFT, "outcome" => verdict.outcome.label()).record(started.elapsed().as_secs_f64());
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_verdict_detail_always_fits_in_a_header() {
+        let said = "layer 1: ArraysCache: recurrent state → not rows\n";
+        let safe = header_safe(said);
+        assert_eq!(safe, "layer 1: ArraysCache: recurrent state ? not rows?");
+        let long = header_safe(&"x".repeat(1000));
+        assert_eq!(long.len(), 400);
+        assert!(long.ends_with("..."));
+        let mut plan = Plan::new(Outcome::Native, Some(Reason::UnsupportedModel), 1, 0, 16);
+        plan.verdict.detail = Some(safe);
+        let json = serde_json::to_string(&plan.verdict).unwrap();
+        assert!(HeaderValue::from_str(&json).is_ok());
+        assert!(json.contains(r#""outcome":"native","reason":"unsupported_model""#), "{json}");
+    }
+
+    #[test]
+    fn blocks_evicted_before_generation_are_owned_up_to() {
+        let mut plan = Plan::new(Outcome::Bridged, None, 100, 6, 16);
+        plan.restrict_to(6, 6, 16);
+        assert_eq!((plan.blocks, plan.verdict.outcome, plan.verdict.reason), (6, Outcome::Bridged, None));
+        plan.restrict_to(4, 6, 16);
+        assert_eq!((plan.blocks, plan.verdict.cached_tokens), (4, 64));
+        assert_eq!((plan.verdict.outcome, plan.verdict.reason), (Outcome::Partial, Some(Reason::Evicted)));
+        plan.restrict_to(0, 6, 16);
+        assert_eq!((plan.verdict.outcome, plan.verdict.cached_tokens), (Outcome::Native, 0));
+        // A prompt of exactly one block restores all but its last token.
+        assert_eq!(Plan::new(Outcome::Cached, None, 16, 1, 16).verdict.cached_tokens, 15);
+    }
+}
