@@ -30,7 +30,8 @@ A row whose outcome is not the expected one is rejected: listed with its reason,
 Derived per length: prefill-engine time = the verdict's `prefill_prefill` (vLLM with the capture
 hook on, same token ids); bridge overhead = bridged TTFT - prefill-engine time; floor =
 max(prefill-engine time, payload bytes / link rate) for 10 GbE (1.25e9 B/s); payload bytes/token =
-bytes / (blocks x block_tokens), next to the decoder's own cache bytes/token.
+bytes / (blocks x block_tokens + the verdict's tail_tokens: the prompt's tail after its last whole
+block, bridged for the request), next to the decoder's own cache bytes/token.
 
 Writes OUT/bridge.json and OUT/bridge_ttft.png, prints a markdown table.
 """
@@ -362,7 +363,8 @@ def derive(row: dict, link_rate: float, cache_bpt: int) -> None:
     row["prefill_engine_s"] = prefill_s
     row["prefill_engine_tok_s"] = (blocks * b / prefill_s) if prefill_s else None
     row["bridge_overhead_s"] = (row["ttft_s"] - prefill_s) if (prefill_s is not None and row["ttft_s"]) else None
-    row["payload_bytes_per_token"] = nbytes / (blocks * b) if blocks and b else None
+    bridged_tokens = blocks * b + (v.get("tail_tokens") or 0)
+    row["payload_bytes_per_token"] = nbytes / bridged_tokens if blocks and b else None
     row["payload_vs_cache"] = row["payload_bytes_per_token"] / cache_bpt if row["payload_bytes_per_token"] else None
     row["link_time_10gbe_s"] = wire_s
     row["floor_s"] = max(prefill_s or 0.0, wire_s)
@@ -649,7 +651,7 @@ def main() -> int:
                                     "with the capture hook on, as timed by prefilld",
                 "bridge_overhead_s": "bridged ttft_s - prefill_engine_s",
                 "floor_s": "max(prefill_engine_s, payload bytes / link rate)",
-                "payload_bytes_per_token": "verdict bytes / (blocks * block_tokens)",
+                "payload_bytes_per_token": "verdict bytes / (blocks * block_tokens + verdict tail_tokens)",
                 "tail_tokens": "prompt tokens the decoder prefills itself after restoring the bridged blocks",
                 "stages_s": "verdict timings (tokenize, bridge, prefill_*, generate_start), the decode engine's "
                             "own timings from decoded's log (engine_*), and client-side ttft",

@@ -243,6 +243,7 @@ async fn test_bridge(decoded: Channel, prefilld: Channel, decoder_addr: &str) ->
         token_ids: tokens,
         decoder_addr: decoder_addr.to_owned(),
         first_block: None,
+        tail: false,
     };
     let started = std::time::Instant::now();
     let mut events = PrefillerClient::new(prefilld)

@@ -43,10 +43,15 @@ pub fn check_tokens(spec: &CacheSpec, token_ids: &[u32]) -> Result<(), String> {
 /// The dtype and full shape of tensor `name` of `layer` in one block, or
 /// `None` when the spec has no such tensor.
 pub fn block_tensor(spec: &CacheSpec, layer: u32, name: &str) -> Option<Expected> {
+    rows_tensor(spec, layer, name, spec.block_tokens)
+}
+
+/// [`block_tensor`] for `rows` tokens (a prompt's tail is shorter than a block).
+pub fn rows_tensor(spec: &CacheSpec, layer: u32, name: &str, rows: u32) -> Option<Expected> {
     let layer = spec.layers.get(layer as usize)?;
     let tensor = layer.tensors.iter().find(|t| t.name == name)?;
     let mut shape = tensor.shape.clone();
-    *shape.get_mut(tensor.token_axis as usize)? = spec.block_tokens as u64;
+    *shape.get_mut(tensor.token_axis as usize)? = rows as u64;
     Some(Expected { dtype: tensor.dtype(), shape })
 }
 

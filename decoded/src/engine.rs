@@ -139,6 +139,9 @@ pub enum TokenizeInput<'a> {
 pub struct GenerateRequest<'a> {
     pub tokens: &'a [u32],
     pub blocks: &'a [PathBuf],
+    /// The prompt's tail after `blocks` (all but its last token), in the block
+    /// file format, when prefilld bridged it for this request.
+    pub tail: Option<&'a Path>,
     pub spec_fingerprint: &'a str,
     pub max_tokens: u32,
     pub temperature: f32,

@@ -41,6 +41,10 @@ pub enum IngestError {
     AlreadyCommitted { block: u32 },
     #[error("more than {limit} blocks open at once")]
     TooManyOpenBlocks { limit: usize },
+    #[error(
+        "a tail of {tail_tokens} tokens must be shorter than a block and end before the last of {prompt_tokens} tokens"
+    )]
+    BadTail { tail_tokens: u32, prompt_tokens: usize },
     #[error("store: {0}")]
     Store(#[from] StoreError),
 }
@@ -69,6 +73,9 @@ pub struct Ingest {
     complete: BTreeSet<u32>,
     committed: u32,
     bytes: u64,
+    /// Rows of the prompt's tail this stream may carry as block `keys.len()`.
+    tail_tokens: u32,
+    tail_committed: bool,
 }
 
 impl Ingest {
@@ -82,6 +89,11 @@ impl Ingest {
             return Err(IngestError::SpecMismatch { got: open.spec_fingerprint, want: spec.spec_fingerprint.clone() });
         }
         let keys = block::keys(&spec.spec_fingerprint, &open.token_ids, spec.block_tokens as usize);
+        // A tail is shorter than a block and leaves the prompt's last token to the decoder.
+        let tail_end = keys.len() * spec.block_tokens as usize + open.tail_tokens as usize;
+        if open.tail_tokens >= spec.block_tokens || (open.tail_tokens > 0 && tail_end >= open.token_ids.len()) {
+            return Err(IngestError::BadTail { tail_tokens: open.tail_tokens, prompt_tokens: open.token_ids.len() });
+        }
         let tensors_per_block = spec.layers.iter().map(|l| l.tensors.len()).sum();
         Ok(Ingest {
             spec,
@@ -97,7 +109,14 @@ impl Ingest {
             complete: BTreeSet::new(),
             committed: 0,
             bytes: 0,
+            tail_tokens: open.tail_tokens,
+            tail_committed: false,
         })
+    }
+
+    /// Rows of block `block` on the token axis: a whole block, or the tail.
+    fn rows(&self, block: u32) -> u32 {
+        if block as usize == self.keys.len() { self.tail_tokens } else { self.spec.block_tokens }
     }
 
     pub fn request_id(&self) -> &str {
@@ -111,14 +130,15 @@ impl Ingest {
             self.reap(done)?;
         }
         let block = shard.block_index;
-        let end = self.keys.len() as u32;
+        // One past the whole blocks when a tail may follow them.
+        let end = self.keys.len() as u32 + u32::from(self.tail_tokens > 0);
         if block < self.first_block || block >= end {
             return Err(IngestError::BlockOutOfRange { block, first: self.first_block, end });
         }
         if self.complete.contains(&block) {
             return Err(IngestError::AlreadyCommitted { block });
         }
-        let expected = spec::block_tensor(&self.spec, shard.layer, &shard.tensor)
+        let expected = spec::rows_tensor(&self.spec, shard.layer, &shard.tensor, self.rows(block))
             .ok_or_else(|| IngestError::UnknownTensor { layer: shard.layer, tensor: shard.tensor.clone() })?;
         let shard_err = |source| IngestError::Shard { block, layer: shard.layer, tensor: shard.tensor.clone(), source };
         expected.check(&shard).map_err(shard_err)?;
@@ -152,18 +172,23 @@ impl Ingest {
     fn start_commit(&mut self, block: u32, open: OpenBlock) {
         let b = self.spec.block_tokens as usize;
         let index = block as usize;
+        let rows = self.rows(block);
+        let token_ids = self.token_ids[index * b..index * b + rows as usize].to_vec();
+        let parent = if index == 0 { BlockKey::ROOT } else { self.keys[index - 1] };
+        let tail = index == self.keys.len();
         let identity = BlockIdentity {
-            key: self.keys[index],
-            parent: if index == 0 { BlockKey::ROOT } else { self.keys[index - 1] },
+            // A tail is keyed like a block: by its parent and its tokens.
+            key: if tail { block::chain(&self.spec.spec_fingerprint, &parent, &token_ids) } else { self.keys[index] },
+            parent,
             spec_fingerprint: self.spec.spec_fingerprint.clone(),
             index: block,
-            token_ids: self.token_ids[index * b..(index + 1) * b].to_vec(),
+            token_ids,
         };
         let tensors: Vec<BlockTensor> = open
             .tensors
             .into_iter()
             .map(|((layer, name), assembly)| {
-                let expected = spec::block_tensor(&self.spec, layer, &name).expect("checked on arrival");
+                let expected = spec::rows_tensor(&self.spec, layer, &name, rows).expect("checked on arrival");
                 BlockTensor {
                     name: format!("{layer}.{name}"),
                     dtype: safetensors_dtype(expected.dtype),
@@ -174,18 +199,26 @@ impl Ingest {
             .collect();
         let store = self.store.clone();
         self.complete.insert(block);
-        self.committing.spawn_blocking(move || Ok((block, store.commit(&identity, &tensors)?)));
+        self.committing.spawn_blocking(move || {
+            let bytes =
+                if tail { store.commit_tail(&identity, &tensors)? } else { store.commit(&identity, &tensors)? };
+            Ok((block, bytes))
+        });
     }
 
     /// Accounts for one finished commit.
     fn reap(&mut self, done: Result<Committed, tokio::task::JoinError>) -> Result<(), IngestError> {
-        let (_, bytes) = done.map_err(|e| StoreError::Io {
+        let (block, bytes) = done.map_err(|e| StoreError::Io {
             op: "commit",
             path: Default::default(),
             source: std::io::Error::other(e),
         })??;
-        self.committed += 1;
         self.bytes += bytes;
+        if block as usize == self.keys.len() {
+            self.tail_committed = true;
+            return Ok(());
+        }
+        self.committed += 1;
         metrics::counter!("pdbridge_store_blocks_committed_total").increment(1);
         metrics::counter!("pdbridge_push_bytes_total").increment(bytes);
         Ok(())
@@ -224,6 +257,7 @@ impl Ingest {
             first_missing_block: first_missing,
             detail,
             reason: reason as i32,
+            tail_committed: self.tail_committed,
         })
     }
 }

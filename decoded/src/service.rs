@@ -106,7 +106,8 @@ pub fn status_of(err: &ServiceError) -> Status {
             IngestError::TooManyOpenBlocks { .. } => Code::ResourceExhausted,
             IngestError::Store(StoreError::TooLarge { .. } | StoreError::NoSpace { .. }) => Code::ResourceExhausted,
             IngestError::Store(_) => Code::Internal,
-            IngestError::BlockOutOfRange { .. }
+            IngestError::BadTail { .. }
+            | IngestError::BlockOutOfRange { .. }
             | IngestError::UnknownTensor { .. }
             | IngestError::Shard { .. }
             | IngestError::AlreadyCommitted { .. } => Code::InvalidArgument,

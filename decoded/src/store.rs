@@ -204,14 +204,16 @@ impl Store {
     /// Opens (creating if needed) the store under `root` and rebuilds the
     /// index from the block files found there.
     pub fn open(root: &Path, budget_bytes: u64) -> Result<(Store, OpenReport), StoreError> {
-        for dir in ["blocks", "tmp", "quarantine"] {
+        for dir in ["blocks", "tmp", "quarantine", "tails"] {
             let path = root.join(dir);
             fs::create_dir_all(&path).map_err(io_err("create", &path))?;
         }
-        // Leftovers of writes cut short by a crash were never visible.
-        let tmp = root.join("tmp");
-        for entry in fs::read_dir(&tmp).map_err(io_err("list", &tmp))?.flatten() {
-            let _ = fs::remove_file(entry.path());
+        // Leftovers of writes cut short by a crash were never visible, and the
+        // requests the tails were for are gone.
+        for dir in ["tmp", "tails"].map(|d| root.join(d)) {
+            for entry in fs::read_dir(&dir).map_err(io_err("list", &dir))?.flatten() {
+                let _ = fs::remove_file(entry.path());
+            }
         }
         let store = Store {
             root: root.to_owned(),
@@ -371,20 +373,7 @@ impl Store {
     ) -> Result<u64, StoreError> {
         let key = identity.key;
         self.make_room(data_bytes, &key)?;
-        let serial = self.next_temp.fetch_add(1, Ordering::Relaxed);
-        let tmp = TempFile(Some(self.root.join("tmp").join(format!(
-            "{}.{}.{serial}.partial",
-            key.to_hex(),
-            std::process::id()
-        ))));
-        let no_space = |e: &std::io::Error| e.kind() == std::io::ErrorKind::StorageFull;
-        let mut metadata = identity.to_metadata();
-        metadata.insert(DATA_SHA256.to_owned(), data_digest(tensors));
-        safetensors::serialize_to_file(tensors.iter().map(|t| (t.name.as_str(), t)), Some(metadata), tmp.path())
-            .map_err(|err| match err {
-                safetensors::SafeTensorError::IoError(e) if no_space(&e) => StoreError::NoSpace { key },
-                other => StoreError::Encode { key, message: other.to_string() },
-            })?;
+        let tmp = self.serialize_to_temp(identity, tensors)?;
         let file = fs::File::open(tmp.path()).map_err(io_err("open", tmp.path()))?;
         file.sync_all()
             .map_err(|e| if no_space(&e) { StoreError::NoSpace { key } } else { io_err("fsync", tmp.path())(e) })?;
@@ -400,6 +389,61 @@ impl Store {
             return Err(io_err("fsync", dir)(e));
         }
         Ok(bytes)
+    }
+
+    /// The block file of `identity` in a unique temp file (removed if dropped).
+    fn serialize_to_temp(&self, identity: &BlockIdentity, tensors: &[BlockTensor]) -> Result<TempFile, StoreError> {
+        let key = identity.key;
+        let serial = self.next_temp.fetch_add(1, Ordering::Relaxed);
+        let tmp = TempFile(Some(self.root.join("tmp").join(format!(
+            "{}.{}.{serial}.partial",
+            key.to_hex(),
+            std::process::id()
+        ))));
+        let mut metadata = identity.to_metadata();
+        metadata.insert(DATA_SHA256.to_owned(), data_digest(tensors));
+        safetensors::serialize_to_file(tensors.iter().map(|t| (t.name.as_str(), t)), Some(metadata), tmp.path())
+            .map_err(|err| match err {
+                safetensors::SafeTensorError::IoError(e) if no_space(&e) => StoreError::NoSpace { key },
+                other => StoreError::Encode { key, message: other.to_string() },
+            })?;
+        Ok(tmp)
+    }
+
+    /// Writes a prompt's tail for the one request about to use it: in the
+    /// block file format, under `tails/`, neither indexed nor in the budget nor
+    /// fsynced (it lives for one generation; opening the store clears them).
+    /// Tails older than [`TAIL_MAX_AGE`] (their request never came) go first.
+    /// Returns the file's size.
+    pub fn commit_tail(&self, identity: &BlockIdentity, tensors: &[BlockTensor]) -> Result<u64, StoreError> {
+        self.prune_tails();
+        let tmp = self.serialize_to_temp(identity, tensors)?;
+        let bytes = fs::metadata(tmp.path()).map_err(io_err("stat", tmp.path()))?.len();
+        tmp.rename_to(&self.tail_path(&identity.key))?;
+        Ok(bytes)
+    }
+
+    /// The tail with `key`, handed to one request: deleted when it drops.
+    pub fn take_tail(&self, key: &BlockKey) -> Option<Tail> {
+        let path = self.tail_path(key);
+        path.is_file().then_some(Tail { path })
+    }
+
+    fn tail_path(&self, key: &BlockKey) -> PathBuf {
+        self.root.join("tails").join(format!("{}.safetensors", key.to_hex()))
+    }
+
+    fn prune_tails(&self) {
+        let Ok(entries) = fs::read_dir(self.root.join("tails")) else { return };
+        for entry in entries.flatten() {
+            let stale = entry
+                .metadata()
+                .and_then(|m| m.modified())
+                .is_ok_and(|t| t.elapsed().is_ok_and(|age| age > TAIL_MAX_AGE));
+            if stale {
+                let _ = fs::remove_file(entry.path());
+            }
+        }
     }
 
     /// Evicts cold blocks until the file system has room for `bytes` more
@@ -519,6 +563,30 @@ fn free_bytes(path: &Path) -> Option<u64> {
     Some(stat.f_bavail as u64 * stat.f_frsize as u64)
 }
 
+/// How long an unclaimed tail is kept: longer than any request's bridge.
+const TAIL_MAX_AGE: std::time::Duration = std::time::Duration::from_secs(3600);
+
+/// A prompt's tail held for one request; its file is deleted on drop.
+pub struct Tail {
+    path: PathBuf,
+}
+
+impl Tail {
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl Drop for Tail {
+    fn drop(&mut self) {
+        let _ = fs::remove_file(&self.path);
+    }
+}
+
+fn no_space(e: &std::io::Error) -> bool {
+    e.kind() == std::io::ErrorKind::StorageFull
+}
+
 /// Blocks held for a reader; see [`Store::lease`].
 pub struct Lease {
     store: Arc<Store>,
@@ -597,6 +665,33 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("pdb-store-{tag}-{}", std::process::id()));
         let _ = fs::remove_dir_all(&dir);
         TempDir(dir)
+    }
+
+    #[test]
+    fn a_tail_is_kept_for_one_request_then_gone() {
+        let dir = temp_dir("tail");
+        let (store, _) = Store::open(&dir.0, 1 << 20).unwrap();
+        let (mut tail, tensors) = block("spec", BlockKey::ROOT, 0, 3);
+        tail.token_ids.truncate(3);
+        tail.key = block::chain("spec", &tail.parent, &tail.token_ids);
+        let tensors: Vec<BlockTensor> = tensors
+            .into_iter()
+            .map(|t| BlockTensor { shape: vec![1, 1, 3, 2], parts: vec![Bytes::from(vec![3u8; 24])], ..t })
+            .collect();
+        assert!(store.commit_tail(&tail, &tensors).unwrap() > 0);
+        assert!(!store.contains(&tail.key), "a tail is not a stored block");
+        assert_eq!(store.usage(), (0, 0), "nor counted in the budget");
+        let held = store.take_tail(&tail.key).expect("the tail is there");
+        let (key, _, _) = verify_file(held.path()).unwrap();
+        assert_eq!(key, tail.key, "a tail file proves its name like a block");
+        let path = held.path().to_owned();
+        drop(held);
+        assert!(!path.exists() && store.take_tail(&tail.key).is_none(), "gone once its request is done");
+
+        store.commit_tail(&tail, &tensors).unwrap();
+        drop(store);
+        let (store, _) = Store::open(&dir.0, 1 << 20).unwrap();
+        assert!(store.take_tail(&tail.key).is_none(), "a restart drops tails whose requests are gone");
     }
 
     #[test]

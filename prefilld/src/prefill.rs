@@ -71,6 +71,8 @@ pub struct Job {
     /// One of the configured decoders.
     pub decoder_addr: String,
     pub first_block: Option<u32>,
+    /// Also bridge the prompt's tail, all but its last token (`PrefillRequest.tail`).
+    pub tail: bool,
     /// The plugin's messages for `request_id`, reserved for this job alone.
     pub registration: Registration,
 }
@@ -145,7 +147,10 @@ impl Bridge {
             });
         }
         let num_blocks = whole_blocks - first_block;
-        let prompt = &job.token_ids[..(whole_blocks * b) as usize];
+        // The tail after the last whole block, all but the prompt's last token:
+        // shorter than a block by construction.
+        let tail_tokens = if job.tail { (job.token_ids.len() as u32 - 1).saturating_sub(whole_blocks * b) } else { 0 };
+        let prompt = &job.token_ids[..(whole_blocks * b + tail_tokens) as usize];
         let registration = &mut job.registration;
         registration.expect_blocks((spec::bytes_per_token(&decoder.spec) * b as u64) as usize);
 
@@ -155,6 +160,7 @@ impl Bridge {
             spec_fingerprint: decoder.spec.spec_fingerprint.clone(),
             token_ids: job.token_ids.clone(),
             first_block,
+            tail_tokens,
         };
         let mut stripes = Stripes::open(&decoder, open, self.stream.queue_frames).await?;
 
@@ -167,6 +173,7 @@ impl Bridge {
             "block_tokens": b,
             "first_block": first_block,
             "num_blocks": num_blocks,
+            "tail_tokens": tail_tokens,
         });
         let vllm = self.vllm.clone();
         let prompt_owned = prompt.to_vec();
@@ -186,13 +193,18 @@ impl Bridge {
             tokio::select! {
                 event = registration.events.recv() => match event {
                     Some(PluginEvent::Block { index, tensors, payload }) => {
-                        if index < first_block || index >= whole_blocks {
+                        // Block `whole_blocks` is the tail, when one was asked for.
+                        let tail = index == whole_blocks && tail_tokens > 0;
+                        if index < first_block || (index >= whole_blocks && !tail) {
                             break Err(fail(Reason::PrefillFailed, format!("plugin sent block {index} outside {first_block}..{whole_blocks}")));
                         }
                         first_block_at.get_or_insert_with(Instant::now);
                         match self.send_block(stripes.sender(index), index, &tensors, payload).await {
                             Ok(bytes) => bytes_sent += bytes,
                             Err(failure) => break Err(failure),
+                        }
+                        if tail {
+                            continue;
                         }
                         stripes.sent(index);
                         sent_blocks += 1;
@@ -271,6 +283,8 @@ impl Bridge {
             status: status as i32,
             blocks_committed: committed,
             tokens_covered: receipt.first_missing_block * b,
+            // A tail is only of use after every block before it.
+            tail_tokens: if receipt.tail_committed && committed == num_blocks { tail_tokens } else { 0 },
             bytes: receipt.bytes,
             reason: reason.map_or(pdbridge_common::proto::Reason::Unspecified, Reason::to_proto) as i32,
             detail,
@@ -375,6 +389,7 @@ impl Stripes {
                     merged.bytes += receipt.bytes;
                     // Each stream looks at the store when it ends; the last sees the most.
                     merged.first_missing_block = merged.first_missing_block.max(receipt.first_missing_block);
+                    merged.tail_committed |= receipt.tail_committed;
                     if receipt.reason() != pdbridge_common::proto::Reason::Unspecified {
                         merged.reason = receipt.reason;
                     }

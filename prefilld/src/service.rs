@@ -85,6 +85,7 @@ impl Prefiller for PrefillerService {
             token_ids: request.token_ids,
             decoder_addr,
             first_block: request.first_block,
+            tail: request.tail,
             registration,
         };
         let (tx, rx) = mpsc::channel(16);

@@ -537,10 +537,15 @@ pub mod cache_store {
 
     /// Every shard of block `index`: each tensor split in two, bytes derived from `seed`.
     pub fn block_shards(spec: &CacheSpec, index: u32, seed: u8) -> Vec<Shard> {
+        rows_shards(spec, index, spec.block_tokens, seed)
+    }
+
+    /// [`block_shards`] for `rows` tokens (a prompt's tail).
+    pub fn rows_shards(spec: &CacheSpec, index: u32, rows: u32, seed: u8) -> Vec<Shard> {
         let mut shards = Vec::new();
         for layer in &spec.layers {
             for tensor in &layer.tensors {
-                let expected = spec::block_tensor(spec, layer.index, &tensor.name).unwrap();
+                let expected = spec::rows_tensor(spec, layer.index, &tensor.name, rows).unwrap();
                 let len = expected.byte_len() as usize;
                 let data: Vec<u8> = (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect();
                 let id = TensorId {

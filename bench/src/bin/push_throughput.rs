@@ -255,6 +255,7 @@ impl Run<'_> {
             spec_fingerprint: self.spec.spec_fingerprint.clone(),
             token_ids: tokens,
             first_block: 0,
+            tail_tokens: 0,
         };
         let decoded_cpu_before = cpu_seconds(decoded.pid() as u32);
         let client_cpu_before = cpu_seconds(std::process::id());

@@ -225,6 +225,9 @@ class Engine:
         blocks = req.get("blocks") or []
         if not isinstance(blocks, list) or not all(isinstance(b, str) for b in blocks):
             raise BadRequest("blocks must be a list of file paths")
+        tail = req.get("tail")
+        if tail is not None and not isinstance(tail, str):
+            raise BadRequest("tail must be a file path or null")
         spec_fp = req.get("spec_fingerprint")
         if spec_fp is not None and not isinstance(spec_fp, str):
             raise BadRequest("spec_fingerprint must be a string")
@@ -238,8 +241,8 @@ class Engine:
             )
 
         start = time.perf_counter()
-        if blocks:
-            cache, cached = self._restore(blocks, tokens, spec_fp)
+        if blocks or tail:
+            cache, cached = self._restore(blocks, tail, tokens, spec_fp)
         else:
             cache, cached = make_prompt_cache(self.model), 0
         restore_ms = _ms(start)
@@ -374,19 +377,23 @@ class Engine:
                 raise BadRequest(f"token id {t!r} is not in [0, {vocab})")
         return tokens
 
-    def _restore(self, paths: list[str], tokens: list[int], spec_fp: str | None) -> tuple[list, int]:
-        """The decoder's caches rebuilt from the blocks, and the number of prompt tokens the model
-        will not recompute."""
+    def _restore(self, paths: list[str], tail: str | None, tokens: list[int],
+                 spec_fp: str | None) -> tuple[list, int]:
+        """The decoder's caches rebuilt from the blocks (and the prompt's tail after them, all but
+        its last token), and the number of prompt tokens the model will not recompute."""
         B = self.block_tokens
         parts: list[dict[str, list[mx.array]]] = [{} for _ in range(self.num_layers)]
-        for i, path in enumerate(paths):
-            arrays = self._read_block(i, path, tokens[i * B:(i + 1) * B], spec_fp)
+        files = [(path, tokens[i * B:(i + 1) * B]) for i, path in enumerate(paths)]
+        if tail is not None:
+            files.append((tail, tokens[len(paths) * B:len(tokens) - 1]))
+        for i, (path, ids) in enumerate(files):
+            arrays = self._read_block(i, path, ids, spec_fp)
             for name, a in arrays.items():
                 layer, tensor = name.split(".", 1)
                 parts[int(layer)].setdefault(tensor, []).append(a)
         # The model must process at least the last prompt token itself: that step yields the
         # first logits.
-        cached = min(len(paths) * B, len(tokens) - 1)
+        cached = min(sum(len(ids) for _, ids in files), len(tokens) - 1)
         rows = [
             {t: mx.concatenate(p, axis=kinds.TOKEN_AXIS)[..., :cached, :] for t, p in layer.items()}
             for layer in parts
@@ -396,8 +403,8 @@ class Engine:
         return cache, cached
 
     def _read_block(self, index: int, path: str, block_ids: list[int], spec_fp: str | None) -> dict:
-        """Loads one block file and checks it fits this decoder and this prompt;
-        any mismatch is a bad request, never a silent native fallback."""
+        """Loads one block file (or the tail's: fewer rows) and checks it fits this decoder and
+        these tokens; any mismatch is a bad request, never a silent native fallback."""
         where = f"block {index} ({path})"
         if not os.path.isfile(path):
             raise BlockUnusable(index, f"{where}: no such file")
@@ -407,7 +414,7 @@ class Engine:
             raise BlockUnusable(index, f"{where}: not a readable safetensors file: {e}") from e
         if (recorded := meta.get(DATA_SHA256)) is not None and recorded != _data_sha256(arrays):
             raise BlockUnusable(index, f"{where}: tensor bytes fail their checksum")
-        B = self.block_tokens
+        B = len(block_ids)
         expect_meta = {"format": BLOCK_FORMAT, "pdb_block": str(index), "pdb_tokens": str(B)}
         if spec_fp is not None:
             expect_meta["pdb_spec"] = spec_fp
@@ -415,7 +422,8 @@ class Engine:
             if meta.get(key) != want:
                 raise BadRequest(f"{where}: metadata {key}={meta.get(key)!r}, expected {want!r}")
         if "pdb_token_ids" in meta and meta["pdb_token_ids"] != ",".join(map(str, block_ids)):
-            raise BadRequest(f"{where}: holds other tokens than the prompt's tokens {index * B}..{(index + 1) * B}")
+            start = index * self.block_tokens
+            raise BadRequest(f"{where}: holds other tokens than the prompt's tokens {start}..{start + B}")
         expected = {
             f"{layer['index']}.{t['name']}": (t["dtype"], tuple(B if i == t["token_axis"] else d for i, d in enumerate(t["shape"])))
             for layer in self.spec["layers"]

@@ -219,13 +219,14 @@ impl Front {
         // and the request planned again: bridged anew, or served without it.
         let mut unusable = 0;
         let (mut plan, lease, mut generation) = loop {
-            let mut plan = self.plan(&tokens, &keys, b, mode).await?;
+            let mut plan = self.plan(&tokens, &keys, &info.spec.spec_fingerprint, b, mode).await?;
             let lease = self.store.lease(&keys[..plan.blocks]);
             // Evicted between planning and leasing: serve what is still there, honestly.
             plan.restrict_to(lease.paths().len(), keys.len(), b);
             let request = GenerateRequest {
                 tokens: &tokens,
                 blocks: lease.paths(),
+                tail: plan.tail.as_ref().map(|tail| tail.path()),
                 spec_fingerprint: &info.spec.spec_fingerprint,
                 max_tokens,
                 temperature: sampling.temperature,
@@ -242,7 +243,10 @@ impl Front {
                     tracing::warn!(block, error = message, "quarantining an unusable store block");
                     unusable += 1;
                     drop(lease);
-                    if let Err(e) = self.store.quarantine_block(&keys[block]) {
+                    // Past the whole blocks it is the tail, which dies with its plan.
+                    if let Some(key) = keys.get(block)
+                        && let Err(e) = self.store.quarantine_block(key)
+                    {
                         tracing::error!(block, error = %e, "cannot quarantine block");
                     }
                 }
@@ -341,7 +345,14 @@ impl Front {
 
 impl Front {
     /// Decides how this prompt is served and, when bridging, runs the bridge.
-    async fn plan(&self, tokens: &[u32], keys: &[BlockKey], b: usize, mode: Mode) -> Result<Plan, FrontError> {
+    async fn plan(
+        &self,
+        tokens: &[u32],
+        keys: &[BlockKey],
+        spec_fingerprint: &str,
+        b: usize,
+        mode: Mode,
+    ) -> Result<Plan, FrontError> {
         let plan = |outcome, reason, restored| Plan::new(outcome, reason, tokens.len(), restored, b);
         if mode == Mode::Native {
             return Ok(plan(Outcome::Native, Some(Reason::Requested), 0));
@@ -410,6 +421,16 @@ impl Front {
         plan.verdict.timings_ms.insert("bridge".into(), ms(started));
         match bridged {
             Ok(outcome) => {
+                if outcome.tail_tokens > 0 && now_cached == keys.len() {
+                    // Keyed like a block: by the last block and the tail's tokens.
+                    let start = keys.len() * b;
+                    let tail_ids = &tokens[start..start + outcome.tail_tokens as usize];
+                    let parent = keys.last().copied().unwrap_or(BlockKey::ROOT);
+                    let key = block::chain(spec_fingerprint, &parent, tail_ids);
+                    if let Some(tail) = self.store.take_tail(&key) {
+                        plan.with_tail(tail, outcome.tail_tokens);
+                    }
+                }
                 plan.verdict.blocks = outcome.blocks_committed;
                 plan.verdict.bytes = outcome.bytes;
                 for (stage, value) in outcome.stage_ms {

@@ -76,8 +76,8 @@ impl Prefiller {
     }
 
     /// Asks prefilld to prefill and push the prompt's blocks from
-    /// `first_block`; returns its outcome (bridged or partial) or why there
-    /// is none.
+    /// `first_block`, and its tail for this request; returns its outcome
+    /// (bridged or partial) or why there is none.
     pub async fn bridge(&self, tokens: &[u32], first_block: u32) -> Result<Outcome, BridgeFailure> {
         let channel = self
             .channel
@@ -89,6 +89,7 @@ impl Prefiller {
             token_ids: tokens.to_vec(),
             decoder_addr: self.advertise_addr.clone(),
             first_block: Some(first_block),
+            tail: true,
         };
         let mut bytes_sent = 0;
         let run = async {

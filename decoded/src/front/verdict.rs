@@ -8,7 +8,7 @@ use pdbridge_common::{reason::Reason, telemetry};
 use serde::Serialize;
 use tokio::time::Instant;
 
-use crate::engine::GenerateSummary;
+use crate::{engine::GenerateSummary, store::Tail};
 
 /// The response header carrying the verdict.
 pub const VERDICT_HEADER: &str = "x-pd-bridge";
@@ -47,8 +47,10 @@ pub struct Verdict {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub detail: Option<String>,
     pub prompt_tokens: u32,
-    /// Prompt tokens restored from the store.
+    /// Prompt tokens restored from the store (whole blocks, and the tail when bridged).
     pub cached_tokens: u32,
+    /// Of those, the prompt's tail after its last whole block, bridged for this request.
+    pub tail_tokens: u32,
     /// Blocks this request pushed through the bridge, of `block_tokens` each.
     pub blocks: u32,
     pub block_tokens: u32,
@@ -61,6 +63,8 @@ pub struct Plan {
     pub verdict: Verdict,
     /// Store blocks the engine restores (a prefix of the prompt's keys).
     pub blocks: usize,
+    /// The prompt's tail after every whole block, bridged for this request.
+    pub tail: Option<Tail>,
 }
 
 impl Plan {
@@ -73,12 +77,20 @@ impl Plan {
             prompt_tokens: prompt_tokens as u32,
             // The engine computes the last token itself, to have its logits.
             cached_tokens: (restored * b).min(prompt_tokens - 1) as u32,
+            tail_tokens: 0,
             blocks: 0,
             block_tokens: b as u32,
             bytes: 0,
             timings_ms: BTreeMap::new(),
         };
-        Plan { verdict, blocks: restored }
+        Plan { verdict, blocks: restored, tail: None }
+    }
+
+    /// Restores `tail` (`rows` tokens) after the whole blocks too.
+    pub fn with_tail(&mut self, tail: Tail, rows: u32) {
+        self.tail = Some(tail);
+        self.verdict.tail_tokens = rows;
+        self.verdict.cached_tokens += rows;
     }
 
     /// Restores only the first `leased` blocks (the rest were evicted since
@@ -88,7 +100,10 @@ impl Plan {
             return;
         }
         self.blocks = leased;
+        // The tail continues the last block: without every block it is of no use.
+        self.tail = None;
         let verdict = &mut self.verdict;
+        verdict.tail_tokens = 0;
         verdict.cached_tokens = (leased * b).min(verdict.prompt_tokens as usize - 1) as u32;
         verdict.outcome = match leased {
             0 => Outcome::Native,

@@ -272,10 +272,11 @@ class PdBridgeConnector(ExampleHiddenStatesConnector):
         st = _WorkerState(RequestStream(params), prompt_len=new.prompt_len,
                           next_block=params.first_block)
         self._reqs[new.req_id] = st
-        if params.end_block * params.block_tokens > new.prompt_len:
+        needed = params.end_block * params.block_tokens + params.tail_tokens
+        if needed > new.prompt_len:
             self._fail(st, protocol.PROMPT_TOO_SHORT,
                        f"blocks [{params.first_block}, {params.end_block}) of {params.block_tokens} "
-                       f"tokens need {params.end_block * params.block_tokens} tokens; the prompt "
+                       f"tokens and a tail of {params.tail_tokens} need {needed} tokens; the prompt "
                        f"has {new.prompt_len}")
             return
         self._streamer.submit_start(st.stream)
@@ -318,6 +319,10 @@ class PdBridgeConnector(ExampleHiddenStatesConnector):
             elif st.next_block != st.params.end_block:  # unreachable given _register's check
                 self._fail(st, protocol.INTERNAL, f"emitted up to block {st.next_block} only")
             else:
+                if st.params.tail_tokens:
+                    start = st.params.end_block * B
+                    tail = self._gather(st, start, start + st.params.tail_tokens)
+                    self._streamer.submit_block(st.stream, st.params.end_block, tail, tail=True)
                 self._streamer.submit_done(st.stream, st.captured)
                 st.finished = True
 

@@ -40,6 +40,9 @@ class BridgeParams:
     block_tokens: int
     first_block: int
     num_blocks: int
+    # Rows after the last block (the prompt's tail, all but its last token), sent as block
+    # `end_block` for the one request that asked; never a stored block.
+    tail_tokens: int = 0
 
     @classmethod
     def parse(cls, raw: Any) -> BridgeParams:
@@ -55,11 +58,14 @@ class BridgeParams:
                 block_tokens=int(raw["block_tokens"]),
                 first_block=int(raw["first_block"]),
                 num_blocks=int(raw["num_blocks"]),
+                tail_tokens=int(raw.get("tail_tokens") or 0),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"bad pdbridge params: {e!r}") from None
         if p.block_tokens <= 0 or p.first_block < 0 or p.num_blocks < 0:
             raise ValueError("block_tokens must be > 0, first_block and num_blocks >= 0")
+        if not 0 <= p.tail_tokens < p.block_tokens:
+            raise ValueError("tail_tokens must be in [0, block_tokens)")
         return p
 
     @property
@@ -136,13 +142,14 @@ class Streamer:
         """Load/validate the bundle early, so a bad bundle fails before any prefill work is wasted."""
         self._put(("start", stream, None))
 
-    def submit_block(self, stream: RequestStream, block_index: int, hidden) -> None:
-        """`hidden`: [B, n_captured, hidden_size], the block's captured residual stream, as a numpy
-        array or a torch tensor in the engine's dtype (converted to float32 on the streamer
-        thread, off the step loop). Waits while the queue is over budget: backpressure."""
+    def submit_block(self, stream: RequestStream, block_index: int, hidden, tail: bool = False) -> None:
+        """`hidden`: [rows, n_captured, hidden_size], the block's (or the tail's) captured residual
+        stream, as a numpy array or a torch tensor in the engine's dtype (converted to float32 on
+        the streamer thread, off the step loop). Waits while the queue is over budget:
+        backpressure."""
         nbytes = (hidden.nbytes if isinstance(hidden, np.ndarray)
                   else hidden.numel() * hidden.element_size())
-        self._put(("block", stream, (block_index, hidden)), nbytes)
+        self._put(("block", stream, (block_index, hidden, tail)), nbytes)
 
     def submit_done(self, stream: RequestStream, num_tokens: int) -> None:
         self._put(("done", stream, num_tokens))
@@ -243,7 +250,7 @@ class Streamer:
         self._bundles.move_to_end(key)
         return path
 
-    def _emit_block(self, stream: RequestStream, block_index: int, hidden) -> None:
+    def _emit_block(self, stream: RequestStream, block_index: int, hidden, tail: bool) -> None:
         from . import reconstruct
 
         path = self._bundle(stream)
@@ -268,7 +275,7 @@ class Streamer:
                   "block_index": block_index, "payload_bytes": sum(t["nbytes"] for t in tensors),
                   "tensors": tensors}
         self._send(stream, header, payload)
-        stream.blocks_emitted += 1
+        stream.blocks_emitted += not tail  # the tail is not one of the request's blocks
 
     def _emit_done(self, stream: RequestStream, num_tokens: int) -> None:
         header = {"type": "done", "request_id": stream.params.request_id, "num_tokens": num_tokens,

@@ -46,11 +46,8 @@ async fn bridges_as_the_decoder_answers(
     assert_eq!(bridged.status, 200, "{family}: {:?}", bridged.body);
     assert_eq!(bridged.verdict["outcome"], "bridged", "{family}: {}", bridged.verdict);
     let blocks = bridged.prompt_tokens() / u64::from(BLOCK_TOKENS);
-    assert!(
-        blocks >= 4 && bridged.cached_tokens() == blocks * u64::from(BLOCK_TOKENS),
-        "{family}: {}",
-        bridged.verdict
-    );
+    // Every whole block and the tail after them: the decoder computes one prompt token.
+    assert!(blocks >= 4 && bridged.cached_tokens() == bridged.prompt_tokens() - 1, "{family}: {}", bridged.verdict);
     let native = chat(&decoded, &prompt, "native").await;
     assert_eq!(native.cached_tokens(), 0);
     assert!(!native.text().is_empty());

@@ -18,7 +18,7 @@ use pdbridge_common::{
 };
 use pdbridge_tests::{
     Daemon, Engines, Scratch,
-    cache_store::{block_shards, cached_blocks, frames, push},
+    cache_store::{block_shards, cached_blocks, frames, push, rows_shards},
     fixed_spec_config,
 };
 use tokio_stream::StreamExt;
@@ -69,6 +69,7 @@ async fn bad_shards_are_refused_and_committed_blocks_survive() {
         spec_fingerprint: spec.spec_fingerprint.clone(),
         token_ids: tokens.clone(),
         first_block,
+        tail_tokens: 0,
     };
 
     // Spec mismatch.
@@ -291,6 +292,7 @@ async fn a_full_disk_refuses_blocks_cleanly_then_evicts_to_make_room() {
         spec_fingerprint: spec.spec_fingerprint.clone(),
         token_ids: tokens.clone(),
         first_block,
+        tail_tokens: 0,
     };
     let block_bytes: u64 = spec::bytes_per_token(&spec) * BLOCK_TOKENS as u64;
 
@@ -335,6 +337,7 @@ async fn concurrent_pushes_of_one_block_all_succeed() {
         spec_fingerprint: spec.spec_fingerprint.clone(),
         token_ids: tokens.clone(),
         first_block: 0,
+        tail_tokens: 0,
     };
     let racers: Vec<_> = (0..24)
         .map(|_| {
@@ -351,5 +354,45 @@ async fn concurrent_pushes_of_one_block_all_succeed() {
     let files: Vec<_> = std::fs::read_dir(store.join("blocks")).unwrap().flatten().collect();
     assert_eq!(files.len(), 1, "one fan-out directory");
     assert_eq!(std::fs::read_dir(files[0].path()).unwrap().count(), 1, "one block file");
+    assert!(stray_files(&store).is_empty());
+}
+
+/// A prompt's tail after its whole blocks rides the Push for the request that asked: kept
+/// beside the store for that request, never a block; a tail that is a block long, or that
+/// would include the prompt's last token, or whose shards have another shape, is refused.
+#[tokio::test]
+async fn a_tail_travels_for_its_request_and_is_never_a_block() {
+    let scratch = Scratch::new("tail");
+    let store = scratch.0.join("store");
+    let decoded = Daemon::start("decoded", &fixed_spec_config(&scratch.0.join("spec"), &store, BLOCK_TOKENS, "")).await;
+    decoded.wait_ready(Duration::from_secs(60)).await;
+    let mut client = CacheStoreClient::new(decoded.channel().await);
+    let spec = client.get_spec(GetSpecRequest {}).await.unwrap().into_inner();
+    // Two whole blocks, then 5 tokens: a tail of 4 leaves the last token to the decoder.
+    let tokens: Vec<u32> = (700..700 + 2 * BLOCK_TOKENS + 5).collect();
+    let open = |tail_tokens| PushOpen {
+        request_id: "tail".into(),
+        spec_fingerprint: spec.spec_fingerprint.clone(),
+        token_ids: tokens.clone(),
+        first_block: 0,
+        tail_tokens,
+    };
+    let tails = || std::fs::read_dir(store.join("tails")).unwrap().count();
+
+    for (tail_tokens, shards) in
+        [(5, rows_shards(&spec, 2, 5, 1)), (BLOCK_TOKENS, block_shards(&spec, 2, 1)), (4, rows_shards(&spec, 2, 3, 1))]
+    {
+        let err = push(&mut client, frames(open(tail_tokens), shards, Some(0))).await.unwrap_err();
+        assert_eq!(err.code(), Code::InvalidArgument, "tail of {tail_tokens}: {err:?}");
+    }
+    assert_eq!(tails(), 0);
+
+    let mut shards: Vec<Shard> = (0..2).flat_map(|b| block_shards(&spec, b, 9)).collect();
+    shards.extend(rows_shards(&spec, 2, 4, 9));
+    let receipt = push(&mut client, frames(open(4), shards, Some(2))).await.unwrap();
+    assert_eq!((receipt.blocks_committed, receipt.tail_committed), (2, true), "{}", receipt.detail);
+    assert!(receipt.detail.is_empty(), "the tail is not a missing block: {}", receipt.detail);
+    assert_eq!(cached_blocks(&mut client, &tokens).await, 2, "the tail is no block");
+    assert_eq!(tails(), 1);
     assert!(stray_files(&store).is_empty());
 }

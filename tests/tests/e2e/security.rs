@@ -54,6 +54,7 @@ async fn only_the_configured_prefiller_may_write_or_read_the_decoders_cache() {
             spec_fingerprint: spec.spec_fingerprint.clone(),
             token_ids: tokens.clone(),
             first_block: 0,
+            tail_tokens: 0,
         };
         frames(open, block_shards(&spec, 0, 66), Some(1))
     };
