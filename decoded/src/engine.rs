@@ -149,13 +149,24 @@ pub struct GenerateRequest<'a> {
     pub seed: Option<u64>,
     /// Stop sequences, applied by the adapter to the streamed text.
     pub stop: &'a [String],
+    pub presence_penalty: f32,
+    pub frequency_penalty: f32,
+    /// Each token's log probability with this many alternatives; None: off.
+    pub logprobs: Option<u32>,
 }
 
 /// One line of a generation.
 #[derive(Debug, Deserialize)]
 #[serde(untagged)]
 pub enum GenerateEvent {
-    Token { token: u32, text: String },
+    Token {
+        token: u32,
+        text: String,
+        /// When asked for: OpenAI's entry for this token (`token`, `logprob`,
+        /// `bytes`, `top_logprobs`), as the adapter computed it.
+        #[serde(default)]
+        logprob: Option<serde_json::Value>,
+    },
     Done(GenerateSummary),
 }
 

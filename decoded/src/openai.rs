@@ -41,6 +41,40 @@ pub fn chunk(kind: Kind, id: &str, created: u64, model: &str, text: Option<&str>
     }
 }
 
+/// `choices[].logprobs` for these tokens' entries (`token`, `logprob`,
+/// `bytes`, `top_logprobs`, as the adapter sends them): chat's `content`
+/// list, or the legacy completions' parallel lists.
+pub fn logprobs(kind: Kind, entries: &[Value]) -> Value {
+    match kind {
+        Kind::Chat => json!({"content": entries}),
+        Kind::Text => {
+            let mut offset = 0;
+            let mut text_offset = Vec::with_capacity(entries.len());
+            for entry in entries {
+                text_offset.push(offset);
+                offset += entry["token"].as_str().map_or(0, str::len);
+            }
+            let top: Vec<Value> = entries
+                .iter()
+                .map(|e| {
+                    let alternatives = e["top_logprobs"].as_array().into_iter().flatten();
+                    Value::Object(
+                        alternatives
+                            .filter_map(|a| Some((a["token"].as_str()?.to_owned(), a["logprob"].clone())))
+                            .collect(),
+                    )
+                })
+                .collect();
+            json!({
+                "tokens": entries.iter().map(|e| e["token"].clone()).collect::<Vec<_>>(),
+                "token_logprobs": entries.iter().map(|e| e["logprob"].clone()).collect::<Vec<_>>(),
+                "top_logprobs": top,
+                "text_offset": text_offset,
+            })
+        }
+    }
+}
+
 pub fn usage(prompt_tokens: u32, completion_tokens: u32, cached_tokens: u32) -> Value {
     json!({
         "prompt_tokens": prompt_tokens,
@@ -119,22 +153,53 @@ pub struct Sampling {
     pub stream: bool,
     /// Up to 4 sequences that end the answer; never part of it.
     pub stop: Vec<String>,
+    /// Additive penalties in [-2, 2], as mlx-lm applies them (over the last
+    /// `max_tokens` tokens).
+    pub presence_penalty: f32,
+    pub frequency_penalty: f32,
+    /// Each generated token's log probability with this many alternatives
+    /// (chat: `logprobs` + `top_logprobs`; completions: `logprobs`); None: off.
+    pub logprobs: Option<u32>,
 }
 
-pub fn sampling(body: &Value) -> Result<Sampling, InvalidRequest> {
+pub fn sampling(body: &Value, kind: Kind) -> Result<Sampling, InvalidRequest> {
     let field = |key: &str| body.get(key).filter(|v| !v.is_null());
     let bad = |key: &str, what: &str| invalid(format!("`{key}` must be {what}"));
     // Options not implemented yet are refused, never silently ignored.
-    let unsupported = [
-        ("n", field("n").is_some_and(|v| v.as_u64() != Some(1))),
-        ("logprobs", field("logprobs").is_some_and(|v| v != &Value::Bool(false) && v.as_u64() != Some(0))),
-        ("top_logprobs", field("top_logprobs").is_some()),
-        ("presence_penalty", field("presence_penalty").is_some_and(|v| v.as_f64() != Some(0.0))),
-        ("frequency_penalty", field("frequency_penalty").is_some_and(|v| v.as_f64() != Some(0.0))),
-    ];
-    if let Some((key, _)) = unsupported.iter().find(|(_, asked)| *asked) {
-        return Err(invalid(format!("`{key}` is not supported by this server yet")));
+    if field("n").is_some_and(|v| v.as_u64() != Some(1)) {
+        return Err(invalid("`n` is not supported by this server yet"));
     }
+    let penalty = |key: &str| match field(key) {
+        Some(v) => v
+            .as_f64()
+            .filter(|p| (-2.0..=2.0).contains(p))
+            .map(|p| p as f32)
+            .ok_or_else(|| bad(key, "between -2 and 2")),
+        None => Ok(0.0),
+    };
+    let (presence_penalty, frequency_penalty) = (penalty("presence_penalty")?, penalty("frequency_penalty")?);
+    let logprobs = match kind {
+        Kind::Chat => {
+            let on = field("logprobs").map(|v| v.as_bool().ok_or_else(|| bad("logprobs", "a boolean"))).transpose()?;
+            let top = field("top_logprobs")
+                .map(|v| v.as_u64().filter(|n| *n <= 20).ok_or_else(|| bad("top_logprobs", "an integer from 0 to 20")))
+                .transpose()?;
+            match (on.unwrap_or(false), top) {
+                (true, top) => Some(top.unwrap_or(0) as u32),
+                (false, Some(_)) => return Err(invalid("`top_logprobs` needs `logprobs: true`")),
+                (false, None) => None,
+            }
+        }
+        // The legacy API: `logprobs` is the number of alternatives, up to 5.
+        Kind::Text => field("logprobs")
+            .map(|v| {
+                v.as_u64()
+                    .filter(|n| *n <= 5)
+                    .map(|n| n as u32)
+                    .ok_or_else(|| bad("logprobs", "an integer from 0 to 5"))
+            })
+            .transpose()?,
+    };
     let max_tokens = match field("max_completion_tokens")
         .map(|v| ("max_completion_tokens", v))
         .or(field("max_tokens").map(|v| ("max_tokens", v)))
@@ -171,7 +236,7 @@ pub fn sampling(body: &Value) -> Result<Sampling, InvalidRequest> {
             .ok_or_else(stop_shape)?,
         Some(_) => return Err(stop_shape()),
     };
-    Ok(Sampling { max_tokens, temperature, top_p, seed, stream, stop })
+    Ok(Sampling { max_tokens, temperature, top_p, seed, stream, stop, presence_penalty, frequency_penalty, logprobs })
 }
 
 /// The tokens to generate for a prompt of `prompt_tokens` in a context of
@@ -246,43 +311,59 @@ mod tests {
     #[test]
     fn max_tokens_out_of_range_is_refused_not_truncated() {
         for bad in [json!(0), json!(-1), json!(1.5), json!("8"), json!(4_294_967_299u64)] {
-            let err = sampling(&json!({"max_tokens": bad})).unwrap_err();
+            let err = sampling_of(&json!({"max_tokens": bad})).unwrap_err();
             assert!(err.0.contains("`max_tokens`"), "{bad}: {err}");
         }
-        let err = sampling(&json!({"max_completion_tokens": 0})).unwrap_err();
+        let err = sampling_of(&json!({"max_completion_tokens": 0})).unwrap_err();
         assert!(err.0.contains("`max_completion_tokens`"), "{err}");
-        assert_eq!(sampling(&json!({"max_tokens": 7})).unwrap().max_tokens, Some(7));
-        assert_eq!(sampling(&json!({"max_tokens": null})).unwrap().max_tokens, None);
+        assert_eq!(sampling_of(&json!({"max_tokens": 7})).unwrap().max_tokens, Some(7));
+        assert_eq!(sampling_of(&json!({"max_tokens": null})).unwrap().max_tokens, None);
     }
 
     #[test]
     fn stop_is_a_string_or_up_to_four() {
-        assert_eq!(sampling(&json!({"stop": "5"})).unwrap().stop, ["5"]);
-        assert_eq!(sampling(&json!({"stop": ["a", "b"]})).unwrap().stop, ["a", "b"]);
-        assert!(sampling(&json!({"stop": null})).unwrap().stop.is_empty());
+        assert_eq!(sampling_of(&json!({"stop": "5"})).unwrap().stop, ["5"]);
+        assert_eq!(sampling_of(&json!({"stop": ["a", "b"]})).unwrap().stop, ["a", "b"]);
+        assert!(sampling_of(&json!({"stop": null})).unwrap().stop.is_empty());
         for bad in [json!(""), json!(["a", ""]), json!(["a", "b", "c", "d", "e"]), json!(5), json!([1])] {
-            let err = sampling(&json!({"stop": bad})).unwrap_err();
+            let err = sampling_of(&json!({"stop": bad})).unwrap_err();
             assert!(err.0.contains("`stop`"), "{bad}: {err}");
         }
     }
 
+    fn sampling_of(body: &Value) -> Result<Sampling, InvalidRequest> {
+        sampling(body, Kind::Chat)
+    }
+
     #[test]
     fn options_not_implemented_are_refused_not_ignored() {
-        for (body, key) in [
-            (json!({"n": 2}), "`n`"),
-            (json!({"logprobs": true}), "`logprobs`"),
-            (json!({"logprobs": 5}), "`logprobs`"),
-            (json!({"top_logprobs": 3}), "`top_logprobs`"),
-            (json!({"presence_penalty": 0.5}), "`presence_penalty`"),
-            (json!({"frequency_penalty": -1}), "`frequency_penalty`"),
-        ] {
-            let err = sampling(&body).unwrap_err();
-            assert!(err.0.contains(key) && err.0.contains("not supported"), "{body}: {err}");
-        }
+        let err = sampling_of(&json!({"n": 2})).unwrap_err();
+        assert!(err.0.contains("`n`") && err.0.contains("not supported"), "{err}");
         // What clients send by default is accepted.
         let defaults =
             json!({"n": 1, "logprobs": false, "presence_penalty": 0, "frequency_penalty": 0.0, "top_logprobs": null});
-        assert!(sampling(&defaults).is_ok());
+        assert_eq!(sampling_of(&defaults).unwrap().logprobs, None);
+    }
+
+    #[test]
+    fn logprobs_and_penalties_as_each_api_spells_them() {
+        assert_eq!(sampling_of(&json!({"logprobs": true})).unwrap().logprobs, Some(0));
+        assert_eq!(sampling_of(&json!({"logprobs": true, "top_logprobs": 3})).unwrap().logprobs, Some(3));
+        assert_eq!(sampling(&json!({"logprobs": 2}), Kind::Text).unwrap().logprobs, Some(2));
+        let s = sampling_of(&json!({"presence_penalty": 0.5, "frequency_penalty": -1})).unwrap();
+        assert_eq!((s.presence_penalty, s.frequency_penalty), (0.5, -1.0));
+        for (body, kind, needle) in [
+            (json!({"top_logprobs": 3}), Kind::Chat, "needs `logprobs: true`"),
+            (json!({"logprobs": true, "top_logprobs": 21}), Kind::Chat, "`top_logprobs`"),
+            (json!({"logprobs": 5}), Kind::Chat, "`logprobs` must be a boolean"),
+            (json!({"logprobs": true}), Kind::Text, "`logprobs` must be an integer"),
+            (json!({"logprobs": 6}), Kind::Text, "from 0 to 5"),
+            (json!({"presence_penalty": 2.5}), Kind::Chat, "`presence_penalty`"),
+            (json!({"frequency_penalty": "x"}), Kind::Text, "`frequency_penalty`"),
+        ] {
+            let err = sampling(&body, kind).unwrap_err();
+            assert!(err.0.contains(needle), "{body}: {err}");
+        }
     }
 
     #[test]

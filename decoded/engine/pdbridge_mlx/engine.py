@@ -23,7 +23,7 @@ import mlx.core as mx
 from mlx_lm import load, stream_generate
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
-from mlx_lm.sample_utils import make_sampler
+from mlx_lm.sample_utils import make_logits_processors, make_sampler
 from pdbridge_cache import kinds
 from pdbridge_cache.layers import CachePath, effective_rope, versions
 from pdbridge_cache.safetensors_io import dtype_name, serialize, tensor_bytes, write_atomic
@@ -222,6 +222,11 @@ class Engine:
         seed = req.get("seed")
         if seed is not None and (type(seed) is not int or seed < 0):
             raise BadRequest("seed must be a non-negative integer or null")
+        presence = _float(req, "presence_penalty", 0.0, lo=-2.0, hi=2.0)
+        frequency = _float(req, "frequency_penalty", 0.0, lo=-2.0, hi=2.0)
+        top_logprobs = req.get("logprobs")
+        if top_logprobs is not None and (type(top_logprobs) is not int or not 0 <= top_logprobs <= 20):
+            raise BadRequest("logprobs must be null or the number of alternatives, 0 to 20")
         blocks = req.get("blocks") or []
         if not isinstance(blocks, list) or not all(isinstance(b, str) for b in blocks):
             raise BadRequest("blocks must be a list of file paths")
@@ -250,6 +255,11 @@ class Engine:
         if seed is not None:
             mx.random.seed(seed)
         sampler = make_sampler(temp=temperature, top_p=top_p)
+        # OpenAI's penalties, as mlx-lm computes them: over the last `max_tokens` tokens.
+        processors = make_logits_processors(
+            presence_penalty=presence or None, presence_context_size=max_tokens,
+            frequency_penalty=frequency or None, frequency_context_size=max_tokens,
+        )
         finish, tail, completion = "length", "", 0
         stop_text = StopText(stops)
         prefill_ms = first_token_ms = None
@@ -258,7 +268,7 @@ class Engine:
         # PREFILL_STEP_SIZE chunks, EOS handling, streaming detokenizer.
         responses = stream_generate(
             self.model, self.tokenizer, mx.array(tokens[cached:]),
-            max_tokens=max_tokens, sampler=sampler, prompt_cache=cache,
+            max_tokens=max_tokens, sampler=sampler, prompt_cache=cache, logits_processors=processors,
             prefill_step_size=PREFILL_STEP_SIZE, **self.kv_args,
         )
         try:
@@ -272,8 +282,11 @@ class Engine:
                     break
                 completion += 1
                 text, stopped = stop_text.push(r.text)
-                if text or not stops:
-                    emit({"token": int(r.token), "text": text})
+                if text or not stops or top_logprobs is not None:
+                    event = {"token": int(r.token), "text": text}
+                    if top_logprobs is not None:
+                        event["logprob"] = self._logprob(r.token, r.logprobs, top_logprobs)
+                    emit(event)
                 if stopped:
                     finish = "stop"
                     break
@@ -366,6 +379,21 @@ class Engine:
         }
 
     # ------------------------------------------------------------------ helpers
+
+    def _logprob(self, token: int, logprobs: mx.array, top: int) -> dict:
+        """OpenAI's logprob entry for the sampled `token`: its text, log probability and UTF-8
+        bytes, and the `top` most likely tokens at that step."""
+        def entry(t: int, lp: float) -> dict:
+            text = self.tokenizer.decode([t])
+            return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+        chosen = entry(int(token), logprobs[int(token)].item())
+        if top:
+            best = mx.argpartition(-logprobs, kth=top - 1)[:top]
+            pairs = sorted(zip(best.tolist(), logprobs[best].tolist()), key=lambda p: -p[1])
+            chosen["top_logprobs"] = [entry(t, lp) for t, lp in pairs]
+        else:
+            chosen["top_logprobs"] = []
+        return chosen
 
     def _tokens(self, req: dict) -> list[int]:
         tokens = req.get("tokens")

@@ -197,7 +197,7 @@ impl Front {
     ) -> Result<Response, FrontError> {
         let started = Instant::now();
         let mode = mode(headers)?;
-        let sampling = openai::sampling(body)?;
+        let sampling = openai::sampling(body, kind)?;
         let engine = self.engine.as_ref().ok_or(FrontError::EngineUnavailable)?;
         let _in_flight = telemetry::InFlight::enter(metric::IN_FLIGHT);
         let tokens = engine.tokenize(input).await?;
@@ -233,6 +233,9 @@ impl Front {
                 top_p: sampling.top_p,
                 seed: sampling.seed,
                 stop: &sampling.stop,
+                presence_penalty: sampling.presence_penalty,
+                frequency_penalty: sampling.frequency_penalty,
+                logprobs: sampling.logprobs,
             };
             // The lease lives until the generation ends: the adapter reads the
             // block files on its own schedule, after this request is written.
@@ -274,19 +277,26 @@ impl Front {
                         Err(_) => Err(EngineError::Internal("front.request_timeout passed".into())),
                     };
                     let data = match event {
-                        Ok(GenerateEvent::Token { text, .. }) => {
+                        Ok(GenerateEvent::Token { text, logprob, .. }) => {
                             if std::mem::take(&mut first) {
                                 record_ttft(&verdict, started);
                             }
-                            openai::chunk(kind, &id, created, &model, Some(&text), None)
+                            let mut chunk = openai::chunk(kind, &id, created, &model, Some(&text), None);
+                            if let Some(entry) = logprob {
+                                chunk["choices"][0]["logprobs"] = openai::logprobs(kind, &[entry]);
+                            }
+                            chunk
                         }
                         Ok(GenerateEvent::Done(summary)) => {
                             if let Err(e) = check_restored(&verdict, &summary) {
                                 json!({"error": {"message": e.to_string(), "type": "engine_error"}})
                             } else {
                                 record_outcome(&verdict);
+                                // Text the adapter held back to the end (a partial character,
+                                // a possible stop sequence that never completed) ends the answer.
+                                let held = Some(summary.text.as_str()).filter(|t| !t.is_empty());
                                 let mut last =
-                                    openai::chunk(kind, &id, created, &model, None, Some(&summary.finish_reason));
+                                    openai::chunk(kind, &id, created, &model, held, Some(&summary.finish_reason));
                                 last["usage"] = usage(&summary);
                                 // The header left before the engine ran: its stages ride here.
                                 last["pd_bridge"] = json!({"engine_timings_ms": summary.timings_ms});
@@ -310,14 +320,16 @@ impl Front {
         }
 
         let mut text = String::new();
+        let mut logprobs = Vec::new();
         let summary = loop {
             match generation.next().await {
-                Some(Ok(GenerateEvent::Token { text: piece, .. })) => {
-                    if text.is_empty() {
+                Some(Ok(GenerateEvent::Token { text: piece, logprob, .. })) => {
+                    if !plan.verdict.timings_ms.contains_key("first_token") {
                         record_ttft(&plan.verdict, started);
                         plan.verdict.timings_ms.insert("first_token".into(), ms(started));
                     }
                     text.push_str(&piece);
+                    logprobs.extend(logprob);
                 }
                 Some(Ok(GenerateEvent::Done(summary))) => {
                     text.push_str(&summary.text);
@@ -337,6 +349,9 @@ impl Front {
         record_stages(&plan.verdict, &summary);
         let mut body = openai::completion(kind, &id, created, &model, &text, &summary.finish_reason);
         body["usage"] = usage(&summary);
+        if sampling.logprobs.is_some() {
+            body["choices"][0]["logprobs"] = openai::logprobs(kind, &logprobs);
+        }
         let mut response = Json(body).into_response();
         verdict::set(&mut response, &plan.verdict);
         Ok(response)

@@ -366,7 +366,8 @@ async fn bridged_answers_on_real_engines() {
         (json!({"messages": too_long}), "context_length_exceeded"),
         (json!({"messages": first, "max_tokens": 8192}), "context_length_exceeded"),
         (json!({"messages": first, "n": 2}), "`n` is not supported"),
-        (json!({"messages": first, "logprobs": true}), "`logprobs` is not supported"),
+        (json!({"messages": first, "top_logprobs": 3}), "needs `logprobs: true`"),
+        (json!({"messages": first, "presence_penalty": 3}), "`presence_penalty` must be between -2 and 2"),
     ] {
         let response = client.post(&url).json(&body).send().await.unwrap();
         assert_eq!(response.status().as_u16(), 400, "{body}");

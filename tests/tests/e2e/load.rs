@@ -240,3 +240,24 @@ async fn stop_sequences_end_answers_before_them() {
     assert_eq!(streamed, expected);
     assert_eq!(chunks.last().unwrap()["choices"][0]["finish_reason"], "stop");
 }
+
+/// OpenAI's own Python SDK against the front door (behind an API key): models, chat, streaming
+/// with usage, completions, `stop`, list-form content, logprobs (chat, streamed, legacy), a
+/// reproducible seed, penalties, and the errors it raises as its own exception types.
+#[tokio::test]
+async fn the_openai_sdk_is_answered_as_openai_answers() {
+    let scratch = Scratch::new("sdk");
+    let key = "sk-sdk-test-4f1c";
+    let decoded = decoded_with_engine(&scratch, &format!("api_keys = [{key:?}]\nmodel_name = \"smollm2\"\n")).await;
+    let engines = Engines::locate();
+    let script = pdbridge_tests::workspace_root().join("tests/sdk/openai_sdk.py");
+    let output = tokio::process::Command::new(&engines.python)
+        .arg(script)
+        .args(["--url", &format!("http://{}", decoded.front.unwrap()), "--model", "smollm2", "--api-key", key])
+        .output()
+        .await
+        .expect("run the SDK script");
+    let said = format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
+    assert!(output.status.success(), "{said}\ndecoded's log:\n{}", decoded.log_text());
+    assert_eq!(said.lines().filter(|l| l.starts_with("ok ")).count(), 15, "{said}");
+}

@@ -1,0 +1,107 @@
+"""The front door as OpenAI's own Python SDK uses it (the `openai` package vLLM installs).
+
+    .venv/bin/python tests/sdk/openai_sdk.py --url http://127.0.0.1:8080 --model smollm2 --api-key KEY
+
+Run by the end-to-end test `load::the_openai_sdk_is_answered_as_openai_answers` against a real
+decoded; exits non-zero with the failed check's message. Prints one line per check that passed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import openai
+
+CHAT = [{"role": "user", "content": "Name three colours, then count from one to ten."}]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--url", required=True)
+    p.add_argument("--model", required=True)
+    p.add_argument("--api-key", required=True)
+    args = p.parse_args()
+    client = openai.OpenAI(base_url=f"{args.url}/v1", api_key=args.api_key, max_retries=0, timeout=600)
+    model = args.model
+
+    def check(name: str, ok: bool, detail: object = "") -> None:
+        if not ok:
+            sys.exit(f"FAIL {name}: {detail}")
+        print(f"ok   {name}")
+
+    check("models", [m.id for m in client.models.list().data] == [model])
+
+    whole = client.chat.completions.create(model=model, messages=CHAT, max_tokens=12, temperature=0)
+    answer = whole.choices[0].message.content
+    check("chat", bool(answer) and whole.usage.completion_tokens > 0, whole)
+
+    pieces, usage = [], None
+    for chunk in client.chat.completions.create(model=model, messages=CHAT, max_tokens=12, temperature=0,
+                                                stream=True, stream_options={"include_usage": True}):
+        pieces += [c.delta.content or "" for c in chunk.choices]
+        usage = chunk.usage or usage
+    check("chat stream", "".join(pieces) == answer and usage is not None, (pieces, answer, usage))
+
+    text = client.completions.create(model=model, prompt="One, two, three,", max_tokens=6, temperature=0)
+    check("completions", bool(text.choices[0].text), text)
+
+    # `stop` ends the answer before the sequence, streamed or not.
+    stop = answer[len(answer) // 2:len(answer) // 2 + 3]
+    cut = client.chat.completions.create(model=model, messages=CHAT, max_tokens=12, temperature=0, stop=[stop])
+    content = cut.choices[0].message.content
+    check("stop", stop not in content and answer.startswith(content) and cut.choices[0].finish_reason == "stop",
+          (stop, content, answer))
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model=model, messages=CHAT, max_tokens=12, temperature=0, stop=stop, stream=True) if c.choices)
+    check("stop stream", streamed == content, (streamed, content))
+
+    parts = [{"role": "user", "content": [{"type": "text", "text": CHAT[0]["content"]}]}]
+    listed = client.chat.completions.create(model=model, messages=parts, max_tokens=12, temperature=0)
+    check("list content", listed.choices[0].message.content == answer, listed)
+
+    # Log probabilities: one entry per generated token; greedy picks the most likely.
+    lp = client.chat.completions.create(model=model, messages=CHAT, max_tokens=6, temperature=0,
+                                        logprobs=True, top_logprobs=2)
+    entries = lp.choices[0].logprobs.content
+    check("logprobs", len(entries) == lp.usage.completion_tokens
+          and all(len(e.top_logprobs) == 2 and e.token == e.top_logprobs[0].token
+                  and abs(e.logprob - e.top_logprobs[0].logprob) < 1e-5
+                  and e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob for e in entries), entries)
+    streamed = [e for c in client.chat.completions.create(
+        model=model, messages=CHAT, max_tokens=6, temperature=0, logprobs=True, stream=True)
+        if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    check("logprobs stream", [e.token for e in streamed] == [e.token for e in entries], streamed)
+    legacy = client.completions.create(model=model, prompt="One, two, three,", max_tokens=4, temperature=0,
+                                       logprobs=2)
+    check("completions logprobs", len(legacy.choices[0].logprobs.tokens) == legacy.usage.completion_tokens
+          and all(len(t) <= 2 for t in legacy.choices[0].logprobs.top_logprobs), legacy.choices[0].logprobs)
+
+    # Sampling with a seed is reproducible; penalties are applied (and accepted).
+    seeded = [client.chat.completions.create(model=model, messages=CHAT, max_tokens=8, temperature=1.0,
+                                             seed=7).choices[0].message.content for _ in range(2)]
+    check("seed", seeded[0] == seeded[1], seeded)
+    penalized = client.chat.completions.create(model=model, messages=CHAT, max_tokens=12, temperature=0,
+                                               presence_penalty=2.0, frequency_penalty=2.0)
+    check("penalties", bool(penalized.choices[0].message.content), penalized)
+
+    # Errors in OpenAI's shape, as the SDK's own exception types.
+    try:
+        client.chat.completions.create(model="gpt-4o", messages=CHAT, max_tokens=4)
+        check("unknown model", False, "answered")
+    except openai.NotFoundError as e:
+        check("unknown model", e.code == "model_not_found", e)
+    try:
+        client.chat.completions.create(model=model, messages=CHAT, max_tokens=4, n=2)
+        check("n=2", False, "answered")
+    except openai.BadRequestError as e:
+        check("n=2", "`n`" in str(e), e)
+    try:
+        openai.OpenAI(base_url=f"{args.url}/v1", api_key="sk-wrong", max_retries=0).models.list()
+        check("wrong key", False, "answered")
+    except openai.AuthenticationError as e:
+        check("wrong key", e.code == "invalid_api_key", e)
+
+
+if __name__ == "__main__":
+    main()
