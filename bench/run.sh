@@ -26,6 +26,8 @@ for admin in 9470 9471; do
 done
 rm -rf "$run"
 mkdir -p "$run"
+# The example configs speak mutual TLS: a CA and one certificate per daemon (the CA is reused).
+./target/release/pdbridge certs --out var/certs prefill-1 mac-1 >/dev/null
 pids=()
 cleanup() {
   local status=$? pid
