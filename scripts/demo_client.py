@@ -67,7 +67,9 @@ def main() -> None:
         "cached_tokens": bridged["usage"].get("prompt_tokens_details", {}).get("cached_tokens", covered),
         "ttft_native_s": round(native["ttft"], 3),
         "ttft_bridged_s": round(bridged["ttft"], 3),
-        "payload_bytes_per_token": round(v["bytes"] / (v["blocks"] * v["block_tokens"])) if v["blocks"] else 0,
+        # Bridged tokens: the whole blocks and the prompt's tail after them.
+        "payload_bytes_per_token": (round(v["bytes"] / (v["blocks"] * v["block_tokens"] + v.get("tail_tokens", 0)))
+                                    if v["blocks"] else 0),
         "same_first_token": bridged["first"] == native["first"],
     }))
 
