@@ -13,30 +13,45 @@ pub enum Kind {
     Text,
 }
 
-/// A whole (non-streamed) answer, without `usage`.
-pub fn completion(kind: Kind, id: &str, created: u64, model: &str, text: &str, finish: &str) -> Value {
-    match kind {
-        Kind::Chat => json!({
-            "id": id, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}],
-        }),
-        Kind::Text => json!({
-            "id": id, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "finish_reason": finish}],
-        }),
+/// One choice of a whole (non-streamed) answer.
+pub fn choice(kind: Kind, index: u32, text: &str, finish: &str, logprobs: Option<Value>) -> Value {
+    let mut choice = match kind {
+        Kind::Chat => {
+            json!({"index": index, "message": {"role": "assistant", "content": text}, "finish_reason": finish})
+        }
+        Kind::Text => json!({"index": index, "text": text, "finish_reason": finish}),
+    };
+    if let Some(logprobs) = logprobs {
+        choice["logprobs"] = logprobs;
     }
+    choice
 }
 
-/// One streamed chunk: a piece of text, or the end with its finish reason.
-pub fn chunk(kind: Kind, id: &str, created: u64, model: &str, text: Option<&str>, finish: Option<&str>) -> Value {
+/// A whole (non-streamed) answer, without `usage`.
+pub fn completion(kind: Kind, id: &str, created: u64, model: &str, choices: Vec<Value>) -> Value {
+    let object = match kind {
+        Kind::Chat => "chat.completion",
+        Kind::Text => "text_completion",
+    };
+    json!({"id": id, "object": object, "created": created, "model": model, "choices": choices})
+}
+
+/// One streamed chunk of choice `index`: a piece of text, or its end with its finish reason.
+pub fn chunk(
+    kind: Kind,
+    (id, created, model): (&str, u64, &str),
+    index: u32,
+    text: Option<&str>,
+    finish: Option<&str>,
+) -> Value {
     match kind {
         Kind::Chat => json!({
             "id": id, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": 0, "delta": text.map_or(json!({}), |t| json!({"content": t})), "finish_reason": finish}],
+            "choices": [{"index": index, "delta": text.map_or(json!({}), |t| json!({"content": t})), "finish_reason": finish}],
         }),
         Kind::Text => json!({
             "id": id, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text.unwrap_or(""), "finish_reason": finish}],
+            "choices": [{"index": index, "text": text.unwrap_or(""), "finish_reason": finish}],
         }),
     }
 }
@@ -160,15 +175,23 @@ pub struct Sampling {
     /// Each generated token's log probability with this many alternatives
     /// (chat: `logprobs` + `top_logprobs`; completions: `logprobs`); None: off.
     pub logprobs: Option<u32>,
+    /// Answers to generate for the prompt (`n`), one after another from the same restored cache.
+    pub n: u32,
 }
+
+/// Most answers (`n`) one request may ask for.
+pub const MAX_CHOICES: u64 = 16;
 
 pub fn sampling(body: &Value, kind: Kind) -> Result<Sampling, InvalidRequest> {
     let field = |key: &str| body.get(key).filter(|v| !v.is_null());
     let bad = |key: &str, what: &str| invalid(format!("`{key}` must be {what}"));
-    // Options not implemented yet are refused, never silently ignored.
-    if field("n").is_some_and(|v| v.as_u64() != Some(1)) {
-        return Err(invalid("`n` is not supported by this server yet"));
-    }
+    let n = match field("n") {
+        Some(v) => v
+            .as_u64()
+            .filter(|n| (1..=MAX_CHOICES).contains(n))
+            .ok_or_else(|| bad("n", &format!("an integer from 1 to {MAX_CHOICES}")))? as u32,
+        None => 1,
+    };
     let penalty = |key: &str| match field(key) {
         Some(v) => v
             .as_f64()
@@ -236,7 +259,18 @@ pub fn sampling(body: &Value, kind: Kind) -> Result<Sampling, InvalidRequest> {
             .ok_or_else(stop_shape)?,
         Some(_) => return Err(stop_shape()),
     };
-    Ok(Sampling { max_tokens, temperature, top_p, seed, stream, stop, presence_penalty, frequency_penalty, logprobs })
+    Ok(Sampling {
+        max_tokens,
+        temperature,
+        top_p,
+        seed,
+        stream,
+        stop,
+        presence_penalty,
+        frequency_penalty,
+        logprobs,
+        n,
+    })
 }
 
 /// The tokens to generate for a prompt of `prompt_tokens` in a context of
@@ -336,13 +370,16 @@ mod tests {
     }
 
     #[test]
-    fn options_not_implemented_are_refused_not_ignored() {
-        let err = sampling_of(&json!({"n": 2})).unwrap_err();
-        assert!(err.0.contains("`n`") && err.0.contains("not supported"), "{err}");
-        // What clients send by default is accepted.
+    fn what_clients_send_by_default_is_accepted_and_n_is_bounded() {
         let defaults =
             json!({"n": 1, "logprobs": false, "presence_penalty": 0, "frequency_penalty": 0.0, "top_logprobs": null});
-        assert_eq!(sampling_of(&defaults).unwrap().logprobs, None);
+        let s = sampling_of(&defaults).unwrap();
+        assert_eq!((s.logprobs, s.n), (None, 1));
+        assert_eq!(sampling_of(&json!({"n": 3})).unwrap().n, 3);
+        for bad in [json!(0), json!(17), json!(1.5), json!("2")] {
+            let err = sampling_of(&json!({"n": bad})).unwrap_err();
+            assert!(err.0.contains("`n` must be an integer from 1 to 16"), "{bad}: {err}");
+        }
     }
 
     #[test]

@@ -91,11 +91,17 @@ def main() -> None:
         check("unknown model", False, "answered")
     except openai.NotFoundError as e:
         check("unknown model", e.code == "model_not_found", e)
-    try:
-        client.chat.completions.create(model=model, messages=CHAT, max_tokens=4, n=2)
-        check("n=2", False, "answered")
-    except openai.BadRequestError as e:
-        check("n=2", "`n`" in str(e), e)
+    # n answers from one restored prompt: greedy ones are the same answer.
+    two = client.chat.completions.create(model=model, messages=CHAT, max_tokens=12, temperature=0, n=2)
+    check("n=2", [c.index for c in two.choices] == [0, 1]
+          and all(c.message.content == answer for c in two.choices)
+          and two.usage.completion_tokens == 2 * whole.usage.completion_tokens, two)
+    by_index: dict[int, str] = {}
+    for chunk in client.chat.completions.create(model=model, messages=CHAT, max_tokens=12, temperature=0, n=2,
+                                                stream=True):
+        for c in chunk.choices:
+            by_index[c.index] = by_index.get(c.index, "") + (c.delta.content or "")
+    check("n=2 stream", by_index == {0: answer, 1: answer}, by_index)
     try:
         openai.OpenAI(base_url=f"{args.url}/v1", api_key="sk-wrong", max_retries=0).models.list()
         check("wrong key", False, "answered")

@@ -47,7 +47,7 @@ use crate::{
     engine::{Engine, EngineError, GenerateEvent, GenerateRequest, GenerateSummary, TokenizeInput},
     inflight::{Bridges, Claim},
     openai::{self, Kind},
-    store::Store,
+    store::{self, Store},
 };
 use error::FrontError;
 use policy::{Decision, Mode, Situation, Step};
@@ -218,7 +218,7 @@ impl Front {
         // A block the adapter finds unusable (missing, rotten) is quarantined
         // and the request planned again: bridged anew, or served without it.
         let mut unusable = 0;
-        let (mut plan, lease, mut generation) = loop {
+        let (mut plan, lease, generation) = loop {
             let mut plan = self.plan(&tokens, &keys, &info.spec.spec_fingerprint, b, mode).await?;
             let lease = self.store.lease(&keys[..plan.blocks]);
             // Evicted between planning and leasing: serve what is still there, honestly.
@@ -261,53 +261,84 @@ impl Front {
         let created = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_secs();
         let model = self.config.model_name.clone();
         plan.verdict.timings_ms.insert("generate_start".into(), ms(started));
+        // Every further answer (`n` > 1) restores the same leased blocks and tail.
+        let choices = Choices {
+            engine: engine.clone(),
+            tokens,
+            blocks: lease.paths().to_vec(),
+            tail: plan.tail.take(),
+            spec_fingerprint: info.spec.spec_fingerprint.clone(),
+            max_tokens,
+            sampling,
+        };
 
-        if sampling.stream {
+        if choices.sampling.stream {
             let verdict = plan.verdict.clone();
             let (tx, rx) = tokio::sync::mpsc::channel::<Event>(16);
             tokio::spawn(async move {
-                // Both held until the last event: the blocks stay leased, the request admitted.
+                // All held until the last event: the blocks stay leased, the request admitted.
                 let _lease = lease;
                 let Admitted { permit: _permit, deadline } = admitted;
-                let mut first = true;
-                loop {
-                    let event = match tokio::time::timeout_at(deadline, generation.next()).await {
-                        Ok(Some(event)) => event,
-                        Ok(None) => break,
-                        Err(_) => Err(EngineError::Internal("front.request_timeout passed".into())),
+                let ids = (id.as_str(), created, model.as_str());
+                let (mut first, mut completion_tokens) = (true, 0);
+                let mut generation = Some(generation);
+                for index in 0..choices.sampling.n {
+                    let mut generation = match generation.take() {
+                        Some(started) => started,
+                        None => match choices.start(index).await {
+                            Ok(started) => started,
+                            Err(e) => {
+                                let error = json!({"error": {"message": e.to_string(), "type": "engine_error"}});
+                                let _ = tx.send(Event::default().data(error.to_string())).await;
+                                return;
+                            }
+                        },
                     };
-                    let data = match event {
-                        Ok(GenerateEvent::Token { text, logprob, .. }) => {
-                            if std::mem::take(&mut first) {
-                                record_ttft(&verdict, started);
+                    loop {
+                        let event = match tokio::time::timeout_at(deadline, generation.next()).await {
+                            Ok(Some(event)) => event,
+                            Ok(None) => break,
+                            Err(_) => Err(EngineError::Internal("front.request_timeout passed".into())),
+                        };
+                        let data = match event {
+                            Ok(GenerateEvent::Token { text, logprob, .. }) => {
+                                if std::mem::take(&mut first) {
+                                    record_ttft(&verdict, started);
+                                }
+                                let mut chunk = openai::chunk(kind, ids, index, Some(&text), None);
+                                if let Some(entry) = logprob {
+                                    chunk["choices"][0]["logprobs"] = openai::logprobs(kind, &[entry]);
+                                }
+                                chunk
                             }
-                            let mut chunk = openai::chunk(kind, &id, created, &model, Some(&text), None);
-                            if let Some(entry) = logprob {
-                                chunk["choices"][0]["logprobs"] = openai::logprobs(kind, &[entry]);
+                            Ok(GenerateEvent::Done(summary)) => {
+                                if let Err(e) = check_restored(&verdict, &summary) {
+                                    json!({"error": {"message": e.to_string(), "type": "engine_error"}})
+                                } else {
+                                    completion_tokens += summary.completion_tokens;
+                                    // Text the adapter held back to the end (a partial character,
+                                    // a possible stop sequence that never completed) ends the answer.
+                                    let held = Some(summary.text.as_str()).filter(|t| !t.is_empty());
+                                    let mut last = openai::chunk(kind, ids, index, held, Some(&summary.finish_reason));
+                                    if index + 1 == choices.sampling.n {
+                                        record_outcome(&verdict);
+                                        last["usage"] = openai::usage(
+                                            summary.prompt_tokens,
+                                            completion_tokens,
+                                            summary.cached_tokens,
+                                        );
+                                        // The header left before the engine ran: its stages ride here.
+                                        last["pd_bridge"] = json!({"engine_timings_ms": summary.timings_ms});
+                                    }
+                                    last
+                                }
                             }
-                            chunk
+                            Err(e) => json!({"error": {"message": e.to_string(), "type": "engine_error"}}),
+                        };
+                        let failed = data.get("error").is_some();
+                        if tx.send(Event::default().data(data.to_string())).await.is_err() || failed {
+                            return;
                         }
-                        Ok(GenerateEvent::Done(summary)) => {
-                            if let Err(e) = check_restored(&verdict, &summary) {
-                                json!({"error": {"message": e.to_string(), "type": "engine_error"}})
-                            } else {
-                                record_outcome(&verdict);
-                                // Text the adapter held back to the end (a partial character,
-                                // a possible stop sequence that never completed) ends the answer.
-                                let held = Some(summary.text.as_str()).filter(|t| !t.is_empty());
-                                let mut last =
-                                    openai::chunk(kind, &id, created, &model, held, Some(&summary.finish_reason));
-                                last["usage"] = usage(&summary);
-                                // The header left before the engine ran: its stages ride here.
-                                last["pd_bridge"] = json!({"engine_timings_ms": summary.timings_ms});
-                                last
-                            }
-                        }
-                        Err(e) => json!({"error": {"message": e.to_string(), "type": "engine_error"}}),
-                    };
-                    let failed = data.get("error").is_some();
-                    if tx.send(Event::default().data(data.to_string())).await.is_err() || failed {
-                        return;
                     }
                 }
                 let _ = tx.send(Event::default().data("[DONE]")).await;
@@ -319,42 +350,90 @@ impl Front {
             return Ok(response);
         }
 
-        let mut text = String::new();
-        let mut logprobs = Vec::new();
-        let summary = loop {
-            match generation.next().await {
-                Some(Ok(GenerateEvent::Token { text: piece, logprob, .. })) => {
-                    if !plan.verdict.timings_ms.contains_key("first_token") {
-                        record_ttft(&plan.verdict, started);
-                        plan.verdict.timings_ms.insert("first_token".into(), ms(started));
+        let mut answers = Vec::new();
+        let mut summaries: Vec<GenerateSummary> = Vec::new();
+        let mut generation = Some(generation);
+        for index in 0..choices.sampling.n {
+            let mut generation = match generation.take() {
+                Some(started) => started,
+                None => choices.start(index).await?,
+            };
+            let mut text = String::new();
+            let mut logprobs = Vec::new();
+            let summary = loop {
+                match generation.next().await {
+                    Some(Ok(GenerateEvent::Token { text: piece, logprob, .. })) => {
+                        if !plan.verdict.timings_ms.contains_key("first_token") {
+                            record_ttft(&plan.verdict, started);
+                            plan.verdict.timings_ms.insert("first_token".into(), ms(started));
+                        }
+                        text.push_str(&piece);
+                        logprobs.extend(logprob);
                     }
-                    text.push_str(&piece);
-                    logprobs.extend(logprob);
+                    Some(Ok(GenerateEvent::Done(summary))) => {
+                        text.push_str(&summary.text);
+                        break summary;
+                    }
+                    Some(Err(e)) => return Err(e.into()),
+                    None => return Err(FrontError::Engine("generation ended without a summary".into())),
                 }
-                Some(Ok(GenerateEvent::Done(summary))) => {
-                    text.push_str(&summary.text);
-                    break summary;
-                }
-                Some(Err(e)) => return Err(e.into()),
-                None => return Err(FrontError::Engine("generation ended without a summary".into())),
-            }
-        };
+            };
+            check_restored(&plan.verdict, &summary)?;
+            let logprobs = choices.sampling.logprobs.map(|_| openai::logprobs(kind, &logprobs));
+            answers.push(openai::choice(kind, index, &text, &summary.finish_reason, logprobs));
+            summaries.push(summary);
+        }
         drop(lease);
+        let first = &summaries[0];
         plan.verdict.timings_ms.insert("total".into(), ms(started));
-        for (stage, value) in &summary.timings_ms {
+        for (stage, value) in &first.timings_ms {
             plan.verdict.timings_ms.insert(format!("engine_{stage}"), *value);
         }
-        check_restored(&plan.verdict, &summary)?;
         record_outcome(&plan.verdict);
-        record_stages(&plan.verdict, &summary);
-        let mut body = openai::completion(kind, &id, created, &model, &text, &summary.finish_reason);
-        body["usage"] = usage(&summary);
-        if sampling.logprobs.is_some() {
-            body["choices"][0]["logprobs"] = openai::logprobs(kind, &logprobs);
-        }
+        record_stages(&plan.verdict, first);
+        let mut body = openai::completion(kind, &id, created, &model, answers);
+        let completion_tokens = summaries.iter().map(|s| s.completion_tokens).sum();
+        body["usage"] = openai::usage(first.prompt_tokens, completion_tokens, first.cached_tokens);
         let mut response = Json(body).into_response();
         verdict::set(&mut response, &plan.verdict);
         Ok(response)
+    }
+}
+
+/// What each answer of a request generates from, owned, so a streamed answer's
+/// task can start one after another (`n` > 1).
+struct Choices {
+    engine: Engine,
+    tokens: Vec<u32>,
+    blocks: Vec<std::path::PathBuf>,
+    /// Held (its file kept) until the last answer has started.
+    tail: Option<store::Tail>,
+    spec_fingerprint: String,
+    max_tokens: u32,
+    sampling: openai::Sampling,
+}
+
+impl Choices {
+    /// Generation `index`; sampled answers differ by seed (`seed + index`).
+    async fn start(&self, index: u32) -> Result<crate::engine::Generation, EngineError> {
+        let sampling = &self.sampling;
+        let request = GenerateRequest {
+            tokens: &self.tokens,
+            blocks: &self.blocks,
+            tail: self.tail.as_ref().map(store::Tail::path),
+            spec_fingerprint: &self.spec_fingerprint,
+            max_tokens: self.max_tokens,
+            temperature: sampling.temperature,
+            top_p: sampling.top_p,
+            seed: sampling.seed.map(|seed| seed + u64::from(index)),
+            stop: &sampling.stop,
+            presence_penalty: sampling.presence_penalty,
+            frequency_penalty: sampling.frequency_penalty,
+            logprobs: sampling.logprobs,
+        };
+        let mut generation = self.engine.generate(&request).await?;
+        generation.started().await?;
+        Ok(generation)
     }
 }
 
@@ -473,10 +552,6 @@ fn check_restored(verdict: &Verdict, summary: &GenerateSummary) -> Result<(), Fr
         )));
     }
     Ok(())
-}
-
-fn usage(summary: &GenerateSummary) -> Value {
-    openai::usage(summary.prompt_tokens, summary.completion_tokens, summary.cached_tokens)
 }
 
 fn ms(since: Instant) -> f64 {

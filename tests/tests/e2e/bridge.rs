@@ -365,7 +365,7 @@ async fn bridged_answers_on_real_engines() {
         ),
         (json!({"messages": too_long}), "context_length_exceeded"),
         (json!({"messages": first, "max_tokens": 8192}), "context_length_exceeded"),
-        (json!({"messages": first, "n": 2}), "`n` is not supported"),
+        (json!({"messages": first, "n": 17}), "`n` must be an integer from 1 to 16"),
         (json!({"messages": first, "top_logprobs": 3}), "needs `logprobs: true`"),
         (json!({"messages": first, "presence_penalty": 3}), "`presence_penalty` must be between -2 and 2"),
     ] {
