@@ -125,8 +125,10 @@ fn strip_location(message: &str) -> String {
 pub struct ServerConfig {
     /// The gRPC listener.
     pub grpc_listen: SocketAddr,
-    /// The admin HTTP listener (`/metrics`, `/healthz`, `/readyz`).
-    pub admin_listen: SocketAddr,
+    /// The admin HTTP listener (`/metrics`, `/healthz`, `/readyz`); unauthenticated, so
+    /// on loopback unless set (each daemon has its own default port).
+    #[serde(default)]
+    pub admin_listen: Option<SocketAddr>,
     /// How long in-flight streams may run after SIGTERM before the process exits.
     #[serde(with = "humantime_serde", default = "default_drain_timeout")]
     pub drain_timeout: Duration,
@@ -144,6 +146,11 @@ fn default_drain_timeout() -> Duration {
 }
 
 impl ServerConfig {
+    /// `admin_listen`, or 127.0.0.1 on the daemon's `default_port`.
+    pub fn admin_addr(&self, default_port: u16) -> SocketAddr {
+        self.admin_listen.unwrap_or(SocketAddr::from(([127, 0, 0, 1], default_port)))
+    }
+
     /// Refuses `addr` (the value of `key`) when other hosts can reach it and
     /// nothing authenticates callers, unless `server.insecure` allows it.
     /// Returns whether the listener is exposed that way.
@@ -318,8 +325,8 @@ mod tests {
         let e = error_of(&format!("{BASE}[server.http2]\nmax_frame_bytes = 12\n"));
         assert!(e.contains("server.http2.max_frame_bytes"), "{e}");
 
-        let e = error_of("[server]\ngrpc_listen = \"127.0.0.1:7070\"\n");
-        assert!(e.contains("admin_listen"), "{e}");
+        let e = error_of("[server]\nadmin_listen = \"127.0.0.1:9090\"\n");
+        assert!(e.contains("grpc_listen"), "{e}");
 
         let e = error_of(&format!("{BASE}grpc_lisen = \"x\"\n"));
         assert!(e.contains("grpc_lisen"), "{e}");
@@ -328,6 +335,15 @@ mod tests {
         assert!(e.starts_with("config file"), "{e}");
 
         assert!(!e.contains('\n'), "one line: {e}");
+    }
+
+    #[test]
+    fn the_admin_listener_is_on_loopback_unless_set() {
+        let file = write("[server]\ngrpc_listen = \"127.0.0.1:7070\"\n");
+        let c: Example = load(sources(file.0.clone())).unwrap();
+        assert_eq!(c.server.admin_addr(9470), SocketAddr::from(([127, 0, 0, 1], 9470)));
+        let c: Example = load(sources(write(BASE).0.clone())).unwrap();
+        assert_eq!(c.server.admin_addr(9470).port(), 9090);
     }
 
     #[test]

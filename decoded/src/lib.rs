@@ -28,6 +28,9 @@ use tokio_util::sync::CancellationToken;
 
 pub use config::Config;
 
+/// The admin listener's port on loopback when `server.admin_listen` is not set.
+pub const ADMIN_PORT: u16 = 9470;
+
 /// Listeners bound by the caller of [`serve`] (tests bind `127.0.0.1:0`).
 pub struct Listeners {
     pub grpc: TcpListener,
@@ -53,7 +56,7 @@ impl Daemon for Decoded {
     async fn bind(config: &Config) -> std::io::Result<Listeners> {
         Ok(Listeners {
             grpc: daemon::bind("server.grpc_listen", config.server.grpc_listen).await?,
-            admin: daemon::bind("server.admin_listen", config.server.admin_listen).await?,
+            admin: daemon::bind("server.admin_listen", config.server.admin_addr(ADMIN_PORT)).await?,
             front: daemon::bind("front.listen", config.front.listen).await?,
         })
     }

@@ -27,6 +27,9 @@ use tokio_util::sync::CancellationToken;
 
 pub use config::Config;
 
+/// The admin listener's port on loopback when `server.admin_listen` is not set.
+pub const ADMIN_PORT: u16 = 9471;
+
 /// Listeners bound by the caller of [`serve`] (tests bind `127.0.0.1:0`).
 pub struct Listeners {
     pub grpc: TcpListener,
@@ -50,7 +53,7 @@ impl Daemon for Prefilld {
     async fn bind(config: &Config) -> std::io::Result<Listeners> {
         Ok(Listeners {
             grpc: daemon::bind("server.grpc_listen", config.server.grpc_listen).await?,
-            admin: daemon::bind("server.admin_listen", config.server.admin_listen).await?,
+            admin: daemon::bind("server.admin_listen", config.server.admin_addr(ADMIN_PORT)).await?,
         })
     }
 
