@@ -56,6 +56,13 @@ pub fn chain(spec_fingerprint: &str, parent: &BlockKey, tokens: &[u32]) -> Block
     BlockKey(h.finalize().into())
 }
 
+/// Key of a prompt's tail after its whole blocks (`keys`, the prompt's block
+/// keys): chained like one more block, from the last of them. Sender and
+/// receiver of a tail both name it this way.
+pub fn tail_key(spec_fingerprint: &str, keys: &[BlockKey], tail_tokens: &[u32]) -> BlockKey {
+    chain(spec_fingerprint, keys.last().unwrap_or(&BlockKey::ROOT), tail_tokens)
+}
+
 /// Keys of every whole block of `tokens` (a trailing partial block has none).
 pub fn keys(spec_fingerprint: &str, tokens: &[u32], block_tokens: usize) -> Vec<BlockKey> {
     let mut parent = BlockKey::ROOT;

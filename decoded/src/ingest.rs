@@ -177,8 +177,11 @@ impl Ingest {
         let parent = if index == 0 { BlockKey::ROOT } else { self.keys[index - 1] };
         let tail = index == self.keys.len();
         let identity = BlockIdentity {
-            // A tail is keyed like a block: by its parent and its tokens.
-            key: if tail { block::chain(&self.spec.spec_fingerprint, &parent, &token_ids) } else { self.keys[index] },
+            key: if tail {
+                block::tail_key(&self.spec.spec_fingerprint, &self.keys, &token_ids)
+            } else {
+                self.keys[index]
+            },
             parent,
             spec_fingerprint: self.spec.spec_fingerprint.clone(),
             index: block,

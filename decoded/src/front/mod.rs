@@ -288,8 +288,7 @@ impl Front {
                         None => match choices.start(index).await {
                             Ok(started) => started,
                             Err(e) => {
-                                let error = json!({"error": {"message": e.to_string(), "type": "engine_error"}});
-                                let _ = tx.send(Event::default().data(error.to_string())).await;
+                                let _ = tx.send(Event::default().data(stream_error(e).to_string())).await;
                                 return;
                             }
                         },
@@ -313,7 +312,7 @@ impl Front {
                             }
                             Ok(GenerateEvent::Done(summary)) => {
                                 if let Err(e) = check_restored(&verdict, &summary) {
-                                    json!({"error": {"message": e.to_string(), "type": "engine_error"}})
+                                    stream_error(e)
                                 } else {
                                     completion_tokens += summary.completion_tokens;
                                     // Text the adapter held back to the end (a partial character,
@@ -333,7 +332,7 @@ impl Front {
                                     last
                                 }
                             }
-                            Err(e) => json!({"error": {"message": e.to_string(), "type": "engine_error"}}),
+                            Err(e) => stream_error(e),
                         };
                         let failed = data.get("error").is_some();
                         if tx.send(Event::default().data(data.to_string())).await.is_err() || failed {
@@ -516,11 +515,9 @@ impl Front {
         match bridged {
             Ok(outcome) => {
                 if outcome.tail_tokens > 0 && now_cached == keys.len() {
-                    // Keyed like a block: by the last block and the tail's tokens.
                     let start = keys.len() * b;
                     let tail_ids = &tokens[start..start + outcome.tail_tokens as usize];
-                    let parent = keys.last().copied().unwrap_or(BlockKey::ROOT);
-                    let key = block::chain(spec_fingerprint, &parent, tail_ids);
+                    let key = block::tail_key(spec_fingerprint, keys, tail_ids);
                     if let Some(tail) = self.store.take_tail(&key) {
                         plan.with_tail(tail, outcome.tail_tokens);
                     }
@@ -552,6 +549,11 @@ fn check_restored(verdict: &Verdict, summary: &GenerateSummary) -> Result<(), Fr
         )));
     }
     Ok(())
+}
+
+/// An error event ending a streamed answer (its headers have already left).
+fn stream_error(e: impl std::fmt::Display) -> Value {
+    json!({"error": {"message": e.to_string(), "type": "engine_error"}})
 }
 
 fn ms(since: Instant) -> f64 {
