@@ -29,6 +29,7 @@ from pdbridge_cache.layers import CachePath, effective_rope, versions
 from pdbridge_cache.safetensors_io import dtype_name, serialize, tensor_bytes, write_atomic
 
 from .errors import BadRequest, BlockUnusable, Cancelled, StartupError
+from .generation import Job, Output, Params, ms, parse_int, parse_tokens
 
 log = logging.getLogger("pdbridge_mlx")
 
@@ -41,17 +42,9 @@ DATA_SHA256 = "pdb_data_sha256"
 PREFILL_STEP_SIZE = 2048
 # Parent key of block 0 in decoded's store (`BlockKey::ROOT`).
 ROOT_KEY = "00" * 32
-# Files whose bytes define how text becomes token ids (tokenizer + chat template).
+# Files whose bytes define how text becomes token ids, hashed as prefilld hashes its model's. The
+# bridge ships token ids; the chat template only decides, here, which text is tokenized.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-# Newer transformers keep the chat template beside the config; hash it when present.
-EXTRA_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
-
-
-Emit = Callable[[dict], None]
-
-
-def _ms(start: float, end: float | None = None) -> float:
-    return round(((end if end is not None else time.perf_counter()) - start) * 1000.0, 3)
 
 
 def _sha256_file(path: Path) -> str:
@@ -75,12 +68,20 @@ class Engine:
         model_id: str | None = None,
         kv_bits: int | None = None,
         kv_group_size: int = 64,
+        max_batch: int = 1,
+        chat_template: str | None = None,
     ):
         t0 = time.perf_counter()
         self.model_dir = Path(model_dir).resolve()
         self.block_tokens = block_tokens
+        self.prefill_step_size = PREFILL_STEP_SIZE
         self.cancelled = threading.Event()
-        self.model, self.tokenizer, self.config = load(str(self.model_dir), return_config=True)
+        # A chat template of the deployment's choosing replaces the checkpoint's, as
+        # mlx_lm.server's --chat-template: mlx-lm picks its tool parser from it.
+        tokenizer_config = {"chat_template": chat_template} if chat_template is not None else None
+        self.model, self.tokenizer, self.config = load(
+            str(self.model_dir), return_config=True, tokenizer_config=tokenizer_config
+        )
         # Only floating parameters change (scales, biases, norms); packed 4-bit
         # weights stay as they are. On x86 CPU, fp16 is emulated: use float32.
         self.model.set_dtype(dtype)
@@ -96,7 +97,10 @@ class Engine:
             self.templates = kinds.decoder_caches(self.model, kv_bits, kv_group_size)
         except ValueError as e:
             raise StartupError(f"kv_bits {kv_bits}: {e}") from None
-        load_ms = _ms(t0)
+        # mlx-lm batches only caches it can merge (not QuantizedKVCache), as mlx_lm.server decides.
+        self.max_batch = max_batch
+        self.can_batch = max_batch > 1 and all(hasattr(c, "merge") for c in self.templates)
+        load_ms = ms(t0)
 
         layer_specs = self._probe_cache(kinds.decoder_caches(self.model, kv_bits, kv_group_size))
         self.spec = self._make_spec(model_id or self.model_dir.name, layer_specs)
@@ -119,10 +123,15 @@ class Engine:
         }
         classes = sorted({l["cache_class"] for l in layer_specs})
         log.info(
-            "loaded %s in %.0f ms (startup %.0f ms): %d layers, caches %s, %s, bundle %s (%d bytes, %d tensors)",
-            self.model_dir, load_ms, _ms(t0), self.num_layers, classes, dtype,
+            "loaded %s in %.0f ms (startup %.0f ms): %d layers, caches %s, %s, bundle %s (%d bytes, %d tensors), "
+            "batch %s, tool calls %s",
+            self.model_dir, load_ms, ms(t0), self.num_layers, classes, dtype,
             self.bundle_path.name, len(bundle_bytes), len(params),
+            f"up to {max_batch}" if self.can_batch else "off (one generation at a time)",
+            self.tokenizer.tool_call_start if self.tokenizer.has_tool_calling else "none",
         )
+        if max_batch > 1 and not self.can_batch:
+            log.warning("caches %s cannot be batched by mlx-lm: generations run one at a time", classes)
         for l in layer_specs:
             if l["kind"] != kinds.ROWS:
                 log.warning("layer %d cannot be bridged: %s", l["index"], l["unsupported_reason"])
@@ -166,10 +175,7 @@ class Engine:
 
     def _tokenizer_sha256(self) -> str:
         h = hashlib.sha256()
-        names = [n for n in TOKENIZER_FILES] + [
-            n for n in EXTRA_TEMPLATE_FILES if (self.model_dir / n).is_file()
-        ]
-        for name in names:
+        for name in TOKENIZER_FILES:
             path = self.model_dir / name
             if not path.is_file():
                 raise StartupError(f"{path} is missing; cannot fingerprint the tokenizer")
@@ -212,120 +218,64 @@ class Engine:
 
     # ------------------------------------------------------ model thread only
 
-    def generate(self, req: dict, emit: Emit, received: float) -> dict:
-        """Restores `blocks` (if any) into a fresh cache, lets the model process
-        the rest of the prompt and streams the new tokens through `emit`."""
-        tokens = self._tokens(req)
-        max_tokens = _int(req, "max_tokens", 256, lo=1)
-        temperature = _float(req, "temperature", 0.0, lo=0.0)
-        top_p = _float(req, "top_p", 1.0, lo=0.0, hi=1.0)
-        seed = req.get("seed")
-        if seed is not None and (type(seed) is not int or seed < 0):
-            raise BadRequest("seed must be a non-negative integer or null")
-        presence = _float(req, "presence_penalty", 0.0, lo=-2.0, hi=2.0)
-        frequency = _float(req, "frequency_penalty", 0.0, lo=-2.0, hi=2.0)
-        top_logprobs = req.get("logprobs")
-        if top_logprobs is not None and (type(top_logprobs) is not int or not 0 <= top_logprobs <= 20):
-            raise BadRequest("logprobs must be null or the number of alternatives, 0 to 20")
-        blocks = req.get("blocks") or []
-        if not isinstance(blocks, list) or not all(isinstance(b, str) for b in blocks):
-            raise BadRequest("blocks must be a list of file paths")
-        tail = req.get("tail")
-        if tail is not None and not isinstance(tail, str):
-            raise BadRequest("tail must be a file path or null")
-        spec_fp = req.get("spec_fingerprint")
-        if spec_fp is not None and not isinstance(spec_fp, str):
-            raise BadRequest("spec_fingerprint must be a string")
-        stops = req.get("stop") or []
-        if not isinstance(stops, list) or not all(isinstance(t, str) and t for t in stops):
-            raise BadRequest("stop must be a list of non-empty strings")
-        if len(blocks) * self.block_tokens > len(tokens):
-            raise BadRequest(
-                f"{len(blocks)} blocks of {self.block_tokens} tokens cover more than the "
-                f"{len(tokens)}-token prompt"
-            )
+    def parse(self, req: dict) -> Params:
+        """A generate request, validated; any thread."""
+        return Params.parse(req, self.spec["vocab_size"], self.block_tokens)
 
-        start = time.perf_counter()
-        if blocks or tail:
-            cache, cached = self._restore(blocks, tail, tokens, spec_fp)
-        else:
-            cache, cached = make_prompt_cache(self.model), 0
-        restore_ms = _ms(start)
+    def batchable(self, p: Params) -> bool:
+        """Whether `p` may join the continuous batch rather than run alone."""
+        return self.can_batch and not p.seeded_sampling
 
-        if seed is not None:
-            mx.random.seed(seed)
-        sampler = make_sampler(temp=temperature, top_p=top_p)
-        # OpenAI's penalties, as mlx-lm computes them: over the last `max_tokens` tokens.
+    def prompt_cache(self, p: Params) -> tuple[list, int]:
+        """The cache the generation starts from: restored from its blocks (and tail), or empty;
+        and how many prompt tokens it already holds."""
+        if p.blocks or p.tail:
+            return self._restore(p.blocks, p.tail, p.tokens, p.spec_fingerprint)
+        return make_prompt_cache(self.model), 0
+
+    @staticmethod
+    def sampling(p: Params) -> tuple[Callable | None, list]:
+        """The request's sampler (None: greedy, which a batch samples in one call for all) and
+        OpenAI's penalties as mlx-lm computes them: over the last `max_tokens` tokens."""
+        sampler = make_sampler(temp=p.temperature, top_p=p.top_p) if p.temperature > 0 else None
         processors = make_logits_processors(
-            presence_penalty=presence or None, presence_context_size=max_tokens,
-            frequency_penalty=frequency or None, frequency_context_size=max_tokens,
+            presence_penalty=p.presence_penalty or None, presence_context_size=p.max_tokens,
+            frequency_penalty=p.frequency_penalty or None, frequency_context_size=p.max_tokens,
         )
-        finish, tail, completion = "length", "", 0
-        stop_text = StopText(stops)
-        prefill_ms = first_token_ms = None
-        t_gen = t_decode = time.perf_counter()
-        # stream_generate is mlx_lm.server's own loop: generate_step prefill in
-        # PREFILL_STEP_SIZE chunks, EOS handling, streaming detokenizer.
+        return sampler, processors
+
+    def generate(self, job: Job) -> None:
+        """Runs one generation alone, with mlx_lm.server's own single-request loop
+        (`stream_generate`: prefill in PREFILL_STEP_SIZE chunks, EOS, streaming detokenizer)."""
+        p = job.params
+        admitted = time.perf_counter()
+        cache, cached = self.prompt_cache(p)
+        output = Output(job, self.tokenizer, cached=cached, admitted=admitted, restore_ms=ms(admitted))
+        if p.seed is not None:
+            mx.random.seed(p.seed)
+        sampler, processors = self.sampling(p)
         responses = stream_generate(
-            self.model, self.tokenizer, mx.array(tokens[cached:]),
-            max_tokens=max_tokens, sampler=sampler, prompt_cache=cache, logits_processors=processors,
-            prefill_step_size=PREFILL_STEP_SIZE, **self.kv_args,
+            self.model, self.tokenizer, mx.array(p.tokens[cached:]),
+            max_tokens=p.max_tokens, sampler=sampler, prompt_cache=cache, logits_processors=processors,
+            prefill_step_size=self.prefill_step_size, **self.kv_args,
         )
         try:
             for r in responses:
-                if prefill_ms is None:
-                    prefill_ms, first_token_ms = _ms(t_gen), _ms(received)
-                    t_decode = time.perf_counter()
-                if r.finish_reason == "stop":  # r.token is the EOS: not output
-                    finish = "stop"
-                    tail, _ = stop_text.push(r.text)
-                    break
-                completion += 1
-                text, stopped = stop_text.push(r.text)
-                if text or not stops or top_logprobs is not None:
-                    event = {"token": int(r.token), "text": text}
-                    if top_logprobs is not None:
-                        event["logprob"] = self._logprob(r.token, r.logprobs, top_logprobs)
-                    emit(event)
-                if stopped:
-                    finish = "stop"
-                    break
-                if r.finish_reason == "length":
-                    break
                 if self.cancelled.is_set():
                     raise Cancelled("adapter is shutting down")
+                if output.step(r.token, r.text, r.logprobs, r.finish_reason):
+                    return
         finally:
             responses.close()
-        done = {
-            "done": True,
-            "finish_reason": finish,
-            "prompt_tokens": len(tokens),
-            "cached_tokens": cached,
-            "completion_tokens": completion,
-            "timings_ms": {
-                "queue": _ms(received, start),
-                "restore": restore_ms,
-                "prefill": prefill_ms,
-                "first_token": first_token_ms,
-                "decode": _ms(t_decode),
-                "total": _ms(received),
-            },
-        }
-        # Text held back until the end: by the detokenizer (e.g. a partial UTF-8 char) or as a
-        # possible start of a stop sequence that never completed.
-        tail += stop_text.flush()
-        if tail:
-            done["text"] = tail
-        return done
 
     def export(self, req: dict) -> dict:
         """Computes the decoder's native cache for `tokens` and writes each
         whole block as a block file."""
-        tokens = self._tokens(req)
+        tokens = parse_tokens(req, self.spec["vocab_size"])
         out_dir = req.get("dir")
         if not isinstance(out_dir, str) or not out_dir:
             raise BadRequest("dir must be a path")
-        block_tokens = _int(req, "block_tokens", self.block_tokens, lo=1)
+        block_tokens = parse_int(req, "block_tokens", self.block_tokens, lo=1)
         spec_fp = req.get("spec_fingerprint") or ""
         if not isinstance(spec_fp, str):
             raise BadRequest("spec_fingerprint must be a string")
@@ -347,7 +297,7 @@ class Engine:
                 max_tokens=0, prefill_step_size=PREFILL_STEP_SIZE, **self.kv_args,
             ):
                 pass
-        prefill_ms = _ms(start)
+        prefill_ms = ms(start)
 
         t_write = time.perf_counter()
         rows = [kinds.codec_for(c).rows(c) for c in cache] if n else []
@@ -375,35 +325,10 @@ class Engine:
         return {
             "blocks": n,
             "files": files,
-            "timings_ms": {"prefill": prefill_ms, "write": _ms(t_write)},
+            "timings_ms": {"prefill": prefill_ms, "write": ms(t_write)},
         }
 
     # ------------------------------------------------------------------ helpers
-
-    def _logprob(self, token: int, logprobs: mx.array, top: int) -> dict:
-        """OpenAI's logprob entry for the sampled `token`: its text, log probability and UTF-8
-        bytes, and the `top` most likely tokens at that step."""
-        def entry(t: int, lp: float) -> dict:
-            text = self.tokenizer.decode([t])
-            return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
-        chosen = entry(int(token), logprobs[int(token)].item())
-        if top:
-            best = mx.argpartition(-logprobs, kth=top - 1)[:top]
-            pairs = sorted(zip(best.tolist(), logprobs[best].tolist()), key=lambda p: -p[1])
-            chosen["top_logprobs"] = [entry(t, lp) for t, lp in pairs]
-        else:
-            chosen["top_logprobs"] = []
-        return chosen
-
-    def _tokens(self, req: dict) -> list[int]:
-        tokens = req.get("tokens")
-        vocab = self.spec["vocab_size"]
-        if not isinstance(tokens, list) or not tokens:
-            raise BadRequest("tokens must be a non-empty list of token ids")
-        for t in tokens:
-            if type(t) is not int or not 0 <= t < vocab:
-                raise BadRequest(f"token id {t!r} is not in [0, {vocab})")
-        return tokens
 
     def _restore(self, paths: list[str], tail: str | None, tokens: list[int],
                  spec_fp: str | None) -> tuple[list, int]:
@@ -470,31 +395,6 @@ class Engine:
         return arrays
 
 
-class StopText:
-    """Stop sequences over streamed text: `push` returns the text safe to send now and whether a
-    stop sequence completed. Text that could still become a stop sequence is held back, and a stop
-    sequence itself is never returned, as OpenAI's `stop` behaves."""
-
-    def __init__(self, stops: list[str]):
-        self.stops = stops
-        self.pending = ""
-
-    def push(self, piece: str) -> tuple[str, bool]:
-        self.pending += piece
-        found = [i for stop in self.stops if (i := self.pending.find(stop)) >= 0]
-        if found:
-            out, self.pending = self.pending[: min(found)], ""
-            return out, True
-        held = max((k for stop in self.stops for k in range(1, len(stop)) if self.pending.endswith(stop[:k])), default=0)
-        cut = len(self.pending) - held
-        out, self.pending = self.pending[:cut], self.pending[cut:]
-        return out, False
-
-    def flush(self) -> str:
-        out, self.pending = self.pending, ""
-        return out
-
-
 def _data_sha256(arrays: dict[str, mx.array]) -> str:
     digest = hashlib.sha256()
     for name in sorted(arrays):
@@ -507,21 +407,3 @@ def _dtype_str(dtype: mx.Dtype) -> str:
         return dtype_name(dtype)
     except ValueError:
         return str(dtype)
-
-
-def _int(req: dict, key: str, default: int, *, lo: int) -> int:
-    v = req.get(key, default)
-    if v is None:
-        v = default
-    if type(v) is not int or v < lo:
-        raise BadRequest(f"{key} must be an integer >= {lo}")
-    return v
-
-
-def _float(req: dict, key: str, default: float, *, lo: float, hi: float | None = None) -> float:
-    v = req.get(key, default)
-    if v is None:
-        v = default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or v < lo or (hi is not None and v > hi):
-        raise BadRequest(f"{key} must be a number in [{lo}, {hi if hi is not None else 'inf'}]")
-    return float(v)

@@ -1,8 +1,10 @@
 """Command line, unix-socket server and the single model thread.
 
 Connections are served on their own threads so cheap ops (info, tokenize)
-answer at once; model work (generate, export) is queued to ONE thread and runs
-in arrival order, because MLX is not thread-safe.
+answer at once; model work (generate, export) goes to ONE thread, because MLX is
+not thread-safe: generations share it as a continuous batch, anything else runs
+alone. A connection's thread sends its generation's lines, so a slow reader
+never holds the model thread.
 """
 
 from __future__ import annotations
@@ -19,9 +21,12 @@ import stat
 import sys
 import threading
 import time
+from collections import deque
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from .errors import BadRequest, BlockUnusable, Cancelled, StartupError
+from .generation import Job
 
 log = logging.getLogger("pdbridge_mlx")
 
@@ -39,28 +44,89 @@ class _Shutdown(BaseException):
 
 
 class ModelThread:
-    """Runs callables one at a time, in submission order, on one daemon thread."""
+    """All MLX work, on one daemon thread (MLX is not thread-safe).
+
+    Exclusive work (the model load, export, a generation that cannot join a batch) runs alone, in
+    arrival order. Generations that can join run together as one continuous batch of at most
+    `max_batch`, joining and leaving between steps. Exclusive work waits for the batch to drain
+    and holds back later arrivals meanwhile, so nothing waits forever (mlx_lm.server's policy).
+    """
 
     def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.engine: Any = None
         self.busy = False
         threading.Thread(target=self._run, name="pdbridge-model", daemon=True).start()
 
     def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Runs `fn` alone on the model thread; its result or exception comes back here."""
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._jobs.put((future, fn, args, kwargs))
+        self._inbox.put(_Exclusive(future, fn, args, kwargs))
         return future.result()
 
+    def submit(self, job: Any) -> None:
+        """Queues a generation; it reports through `job.lines()`."""
+        self._inbox.put(job)
+
     def _run(self) -> None:
+        from .batch import Batch  # MLX: imported on the thread that uses it, after startup checks
+
+        pending: deque = deque()
+        batch: Batch | None = None
         while True:
-            future, fn, args, kwargs = self._jobs.get()
-            self.busy = True
+            idle = not pending and not batch
             try:
-                future.set_result(fn(*args, **kwargs))
+                pending.append(self._inbox.get(block=idle))
+                while True:
+                    pending.append(self._inbox.get_nowait())
+            except queue.Empty:
+                pass
+            if batch is None and self.engine is not None:
+                batch = Batch(self.engine, self.engine.max_batch)
+            while pending:
+                item = pending[0]
+                joins = not isinstance(item, _Exclusive) and self.engine.batchable(item.params)
+                if joins and not batch.has_room or not joins and batch:
+                    break  # the batch is full, or must drain before this runs alone
+                pending.popleft()
+                self.busy = True
+                try:
+                    self._start(item, batch, joins)
+                finally:
+                    self.busy = bool(batch)
+            if batch:
+                self.busy = True
+                try:
+                    batch.step()
+                except Exception:
+                    log.exception("batch step failed; its generations were failed")
+                self.busy = bool(batch)
+
+    def _start(self, item: Any, batch: Any, joins: bool) -> None:
+        if isinstance(item, _Exclusive):
+            try:
+                item.future.set_result(item.fn(*item.args, **item.kwargs))
             except BaseException as e:  # delivered to the caller's thread
-                future.set_exception(e)
-            finally:
-                self.busy = False
+                item.future.set_exception(e)
+            return
+        if item.cancelled.is_set():
+            item.fail(Cancelled("client went away"))
+            return
+        try:
+            if joins:
+                batch.add(item)
+            else:
+                self.engine.generate(item)
+        except BaseException as e:  # delivered to the connection's thread
+            item.fail(e)
+
+
+@dataclass
+class _Exclusive:
+    future: concurrent.futures.Future
+    fn: Callable[..., Any]
+    args: tuple
+    kwargs: dict
 
 
 def _send(conn: socket.socket, obj: dict) -> None:
@@ -126,16 +192,13 @@ class Handler:
             _send(conn, {"tokens": tokens})
             return f"tokens={len(tokens)} "
         if op == "generate":
-            def emit(obj: dict) -> None:
-                try:
-                    _send(conn, obj)
-                except OSError as e:  # stop generating for a client that left
-                    raise Cancelled(f"client went away: {e}") from e
-
-            done = self.model_thread.call(self.engine.generate, req, emit, received)
+            job = Job(self.engine.parse(req), received)
+            self.model_thread.submit(job)
             try:
-                _send(conn, done)
-            except OSError as e:
+                for done in job.lines():
+                    _send(conn, done)
+            except OSError as e:  # the model thread drops it at its next step
+                job.cancelled.set()
                 raise Cancelled(f"client went away: {e}") from e
             t = done["timings_ms"]
             return (
@@ -175,10 +238,19 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--kv-group-size", type=int, default=64, help="KV cache quantization group size (default 64)")
     p.add_argument("--bundle-dir", help="where to write the reconstruction bundle (default: the socket's directory)")
     p.add_argument("--model-id", help="model identity published in the spec (default: the model folder's name)")
+    p.add_argument("--max-batch", type=int, default=8,
+                   help="generations decoded together in one continuous batch (default 8; 1: one at a time)")
+    p.add_argument("--chat-template", type=argparse.FileType("r", encoding="utf-8"),
+                   help="Jinja chat template file replacing the model's own (e.g. one that renders tools)")
     p.add_argument("--log-level", default="INFO", help="stderr log level (default INFO)")
     args = p.parse_args(argv)
     if args.block_tokens < 1:
         p.error("--block-tokens must be >= 1")
+    if args.max_batch < 1:
+        p.error("--max-batch must be >= 1")
+    if args.chat_template is not None:
+        with args.chat_template as f:
+            args.chat_template = f.read()
     return args
 
 
@@ -250,7 +322,9 @@ class Adapter:
             dtype=getattr(mx, self.args.dtype),
             bundle_dir=self.args.bundle_dir or os.path.dirname(self.socket_path),
             model_id=self.args.model_id, kv_bits=self.args.kv_bits, kv_group_size=self.args.kv_group_size,
+            max_batch=self.args.max_batch, chat_template=self.args.chat_template,
         )
+        self.model_thread.engine = self.engine
         self.listener, self._inode = _bind(self.socket_path)
 
     def serve(self) -> None:

@@ -419,6 +419,111 @@ class AdapterTest(unittest.TestCase):
         self.assertLess(answered_at - t0, 2.0)
 
 
+    def test_generations_share_the_model_as_one_batch_and_answer_as_alone(self):
+        """A bridged request arriving while a native one is mid-answer joins it: its whole
+        answer comes back before the long one ends, and every answer is the one it gets alone."""
+        long_lines, long_first = [], threading.Event()
+
+        def long_answer():
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.connect(self.adapter.socket)
+                s.sendall(json.dumps({"op": "generate", "tokens": self.tokens, "max_tokens": 48}).encode() + b"\n")
+                with s.makefile("rb") as f:
+                    for line in f:
+                        long_lines.append(json.loads(line))
+                        long_first.set()
+
+        worker = threading.Thread(target=long_answer)
+        worker.start()
+        self.assertTrue(long_first.wait(timeout=600), "the long answer never started")
+        short = [self.generate(self.tokens, self.export["files"], max_tokens=4) for _ in range(2)]
+        short_done_while_long_ran = not long_lines[-1].get("done")
+        worker.join(timeout=600)
+        self.assertTrue(short_done_while_long_ran, "the short answers waited for the long one")
+        long_alone = self.generate(self.tokens, max_tokens=48)
+        self.assertEqual([l["token"] for l in long_lines[:-1]], [l["token"] for l in long_alone[0]])
+        for lines, done in short:
+            self.assertEqual([l["token"] for l in lines], [l["token"] for l in self.native[0][:4]])
+            self.assertEqual(done["cached_tokens"], (len(self.tokens) // BLOCK) * BLOCK)
+
+    def test_answers_of_a_full_batch_equal_those_given_alone(self):
+        """More concurrent requests (10) than the batch holds (--max-batch, default 8): the rest
+        wait their turn, and the answers equal those given one at a time."""
+        prompts = [self.tokens[: 40 + 3 * i] for i in range(10)]
+        alone = [self.generate(p, max_tokens=6)[0] for p in prompts[:3]]
+        results: dict[int, list[dict]] = {}
+
+        def run(i):
+            results[i] = self.adapter.request({"op": "generate", "tokens": prompts[i], "max_tokens": 6})
+
+        workers = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join(timeout=600)
+        self.assertEqual(sorted(results), list(range(len(prompts))))
+        for i, lines in results.items():
+            self.assertTrue(lines[-1].get("done"), lines[-1])
+            self.assertEqual(lines[-1]["completion_tokens"], len(lines) - 1)
+        for i in range(3):
+            self.assertEqual([l["token"] for l in results[i][:-1]], [l["token"] for l in alone[i]])
+
+
+class ToolCallTest(unittest.TestCase):
+    """The adapter with a chat template that renders tools (deploy/templates): mlx-lm picks its
+    JSON tool parser from it, and a tool call the model makes comes back parsed, not as text."""
+
+    TEMPLATE = ROOT / "deploy" / "templates" / "smollm2-tools.jinja"
+    TOOLS = [{"type": "function", "function": {
+        "name": "get_weather", "description": "Get the current weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+
+    @classmethod
+    def setUpClass(cls):
+        if not (MODEL / "config.json").is_file():
+            raise unittest.SkipTest(f"{MODEL} is missing")
+        cls.tmp = tempfile.TemporaryDirectory(prefix="pdb-tools-")
+        cls.adapter = Adapter(cls.tmp.name, extra=("--chat-template", str(cls.TEMPLATE)))
+        assert cls.adapter.ready["ready"], cls.adapter.log()
+
+    @classmethod
+    def tearDownClass(cls):
+        code = cls.adapter.stop()
+        cls.tmp.cleanup()
+        assert code == 0, f"adapter exited with {code}"
+
+    def conversation(self, city: str) -> list[int]:
+        """Two earlier questions answered with calls, then a new one: the model follows suit."""
+        def ask(c):
+            return {"role": "user", "content": f"What is the weather in {c}?"}
+
+        def call(i, c):
+            return {"role": "assistant", "content": None, "tool_calls": [{"id": f"call_{i}", "type": "function",
+                    "function": {"name": "get_weather", "arguments": json.dumps({"city": c})}}]}
+
+        messages = [ask("Berlin"), call(0, "Berlin"), ask("Rome"), call(1, "Rome"), ask(city)]
+        return self.adapter.request({"op": "tokenize", "messages": messages, "tools": self.TOOLS})[0]["tokens"]
+
+    def test_a_tool_call_is_parsed_out_of_the_answer(self):
+        for city in ("Paris", "Oslo"):
+            tokens = self.conversation(city)
+            lines = self.adapter.request({"op": "generate", "tokens": tokens, "max_tokens": 40, "tools": self.TOOLS})
+            done = lines[-1]
+            calls = [c for line in lines for c in line.get("tool_calls", [])]
+            text = "".join(line.get("text", "") for line in lines)
+            self.assertEqual(done["finish_reason"], "tool_calls", lines)
+            self.assertEqual([(c["name"], json.loads(c["arguments"])) for c in calls],
+                             [("get_weather", {"city": city})])
+            self.assertTrue(calls[0]["id"].startswith("call_"))
+            self.assertNotIn("tool_call", text)
+            # Without tools in the request, the same answer is plain text, markers and all.
+            lines = self.adapter.request({"op": "generate", "tokens": tokens, "max_tokens": 40})
+            text = "".join(line.get("text", "") for line in lines)
+            self.assertIn("<tool_call>", text)
+            self.assertIn(f'"city": "{city}"', text)
+            self.assertEqual(lines[-1]["finish_reason"], "stop")
+
+
 class LifecycleTest(unittest.TestCase):
     """Startup and shutdown: stable bundle across restarts, stale and live
     sockets, SIGTERM."""

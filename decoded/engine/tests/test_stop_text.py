@@ -8,7 +8,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pdbridge_mlx.engine import StopText  # noqa: E402
+from pdbridge_mlx.generation import StopText  # noqa: E402
 
 
 def run(stops: list[str], pieces: list[str]) -> tuple[list[str], bool, str]:
