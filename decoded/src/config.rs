@@ -165,6 +165,14 @@ pub struct EngineConfig {
     /// Group size of the quantized KV cache.
     #[serde(default = "default_kv_group_size")]
     pub kv_group_size: u32,
+    /// Generations decoded together in one continuous batch (mlx-lm's `BatchGenerator`);
+    /// 1: one at a time. Restored store blocks join as per-request caches.
+    #[serde(default = "default_max_batch")]
+    pub max_batch: u32,
+    /// A Jinja chat template replacing the model's own, as mlx_lm.server's
+    /// `--chat-template` (e.g. `deploy/templates/smollm2-tools.jinja`, which renders tools);
+    /// mlx-lm picks its tool-call parser from the template.
+    pub chat_template: Option<PathBuf>,
 }
 
 impl Validate for EngineConfig {
@@ -175,6 +183,14 @@ impl Validate for EngineConfig {
         }
         if ![32, 64, 128].contains(&self.kv_group_size) {
             return Err(ConfigError::invalid("engine.kv_group_size", "must be 32, 64 or 128"));
+        }
+        if !(1..=MAX_BATCH).contains(&self.max_batch) {
+            return Err(ConfigError::invalid("engine.max_batch", format!("must be from 1 to {MAX_BATCH}")));
+        }
+        if let Some(template) = &self.chat_template
+            && !template.is_file()
+        {
+            return Err(ConfigError::invalid("engine.chat_template", format!("{} is not a file", template.display())));
         }
         Ok(())
     }
@@ -218,6 +234,11 @@ fn default_restart_backoff() -> Duration {
 fn default_kv_group_size() -> u32 {
     64
 }
+fn default_max_batch() -> u32 {
+    8
+}
+/// Most generations one batch may hold: each holds its whole cache in memory.
+const MAX_BATCH: u32 = 256;
 
 /// The OpenAI-compatible front door and its bridge-or-native policy.
 #[derive(Clone, Debug, Deserialize)]

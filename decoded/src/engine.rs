@@ -130,7 +130,13 @@ struct RopeJson {
 #[derive(Debug, Serialize)]
 #[serde(untagged)]
 pub enum TokenizeInput<'a> {
-    Chat { messages: &'a serde_json::Value, add_generation_prompt: bool },
+    Chat {
+        messages: &'a serde_json::Value,
+        add_generation_prompt: bool,
+        /// The request's tool definitions, rendered by the chat template.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        tools: Option<&'a serde_json::Value>,
+    },
     Text { prompt: &'a str },
 }
 
@@ -153,6 +159,18 @@ pub struct GenerateRequest<'a> {
     pub frequency_penalty: f32,
     /// Each token's log probability with this many alternatives; None: off.
     pub logprobs: Option<u32>,
+    /// The request's tool definitions: the adapter parses tool calls out of the answer.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tools: Option<&'a serde_json::Value>,
+}
+
+/// A tool call the model made, parsed by mlx-lm's tool parser for the chat template.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+pub struct ToolCall {
+    pub id: String,
+    pub name: String,
+    /// The arguments as JSON text, as OpenAI's `function.arguments`.
+    pub arguments: String,
 }
 
 /// One line of a generation.
@@ -166,6 +184,9 @@ pub enum GenerateEvent {
         /// `bytes`, `top_logprobs`), as the adapter computed it.
         #[serde(default)]
         logprob: Option<serde_json::Value>,
+        /// Calls completed with this token (their text is not in `text`).
+        #[serde(default)]
+        tool_calls: Vec<ToolCall>,
     },
     Done(GenerateSummary),
 }
@@ -182,6 +203,9 @@ pub struct GenerateSummary {
     /// Characters the detokenizer held back until the end.
     #[serde(default)]
     pub text: String,
+    /// A call that ended with the answer (a parser without an end marker).
+    #[serde(default)]
+    pub tool_calls: Vec<ToolCall>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -516,6 +540,8 @@ fn spawn(config: &EngineConfig, block_tokens: u32) -> Result<Child, EngineError>
         .arg(config.dtype.as_str())
         .arg("--kv-group-size")
         .arg(config.kv_group_size.to_string())
+        .arg("--max-batch")
+        .arg(config.max_batch.to_string())
         .env("PYTHONPATH", &config.adapter_dir)
         .env("HF_HUB_OFFLINE", "1")
         .stdin(Stdio::null())
@@ -524,6 +550,9 @@ fn spawn(config: &EngineConfig, block_tokens: u32) -> Result<Child, EngineError>
         .kill_on_drop(true);
     if let Some(bits) = config.kv_bits {
         cmd.arg("--kv-bits").arg(bits.to_string());
+    }
+    if let Some(template) = &config.chat_template {
+        cmd.arg("--chat-template").arg(template);
     }
     process::contain(&mut cmd);
     tracing::info!(python = %config.python.display(), model = %config.model.display(), "starting decode engine");

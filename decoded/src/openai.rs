@@ -4,6 +4,8 @@
 
 use serde_json::{Map, Value, json};
 
+use crate::engine::ToolCall;
+
 /// Which endpoint a request came in on: its response objects differ.
 #[derive(Clone, Copy, Debug)]
 pub enum Kind {
@@ -13,9 +15,18 @@ pub enum Kind {
     Text,
 }
 
-/// One choice of a whole (non-streamed) answer.
-pub fn choice(kind: Kind, index: u32, text: &str, finish: &str, logprobs: Option<Value>) -> Value {
+/// One choice of a whole (non-streamed) answer; a chat answer that only called tools has no content.
+pub fn choice(kind: Kind, index: u32, text: &str, finish: &str, logprobs: Option<Value>, calls: &[ToolCall]) -> Value {
     let mut choice = match kind {
+        Kind::Chat if !calls.is_empty() => json!({
+            "index": index,
+            "message": {
+                "role": "assistant",
+                "content": Some(text).filter(|t| !t.is_empty()),
+                "tool_calls": calls.iter().map(|c| tool_call(c, None)).collect::<Vec<_>>(),
+            },
+            "finish_reason": finish,
+        }),
         Kind::Chat => {
             json!({"index": index, "message": {"role": "assistant", "content": text}, "finish_reason": finish})
         }
@@ -53,6 +64,49 @@ pub fn chunk(
             "id": id, "object": "text_completion", "created": created, "model": model,
             "choices": [{"index": index, "text": text.unwrap_or(""), "finish_reason": finish}],
         }),
+    }
+}
+
+/// Adds tool calls to a streamed chat chunk's delta; `first` is the index of the first of them
+/// among the choice's calls so far.
+pub fn add_tool_calls(chunk: &mut Value, calls: &[ToolCall], first: usize) {
+    let calls: Vec<Value> = calls.iter().enumerate().map(|(i, c)| tool_call(c, Some(first + i))).collect();
+    chunk["choices"][0]["delta"]["tool_calls"] = Value::Array(calls);
+}
+
+fn tool_call(call: &ToolCall, index: Option<usize>) -> Value {
+    let mut out = json!({
+        "id": call.id,
+        "type": "function",
+        "function": {"name": call.name, "arguments": call.arguments},
+    });
+    if let Some(index) = index {
+        out["index"] = index.into();
+    }
+    out
+}
+
+/// The request's tools when the model may call them, checked: a list of functions, each with a
+/// name. `tool_choice` may be "auto" (the default) or "none" (the tools are not offered); forcing
+/// a call ("required", a named function) is refused, as mlx-lm cannot constrain generation to one.
+pub fn tools(body: &Value) -> Result<Option<&Value>, InvalidRequest> {
+    let Some(tools) = body.get("tools").filter(|t| !t.is_null()) else { return Ok(None) };
+    let list = tools.as_array().ok_or_else(|| invalid("`tools` must be an array"))?;
+    for (i, tool) in list.iter().enumerate() {
+        if tool.get("type").and_then(Value::as_str) != Some("function") {
+            return Err(invalid(format!("`tools[{i}].type` must be \"function\"")));
+        }
+        if !tool.pointer("/function/name").and_then(Value::as_str).is_some_and(|n| !n.is_empty()) {
+            return Err(invalid(format!("`tools[{i}].function.name` must be a non-empty string")));
+        }
+    }
+    match body.get("tool_choice").filter(|c| !c.is_null()) {
+        None => Ok(Some(tools).filter(|_| !list.is_empty())),
+        Some(Value::String(choice)) if choice == "auto" => Ok(Some(tools).filter(|_| !list.is_empty())),
+        Some(Value::String(choice)) if choice == "none" => Ok(None),
+        Some(_) => Err(invalid(
+            "`tool_choice` must be \"auto\" or \"none\": this server cannot force a tool call",
+        )),
     }
 }
 
@@ -401,6 +455,45 @@ mod tests {
             let err = sampling(&body, kind).unwrap_err();
             assert!(err.0.contains(needle), "{body}: {err}");
         }
+    }
+
+    #[test]
+    fn tools_are_functions_offered_unless_the_client_says_none() {
+        let weather = json!([{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]);
+        assert_eq!(tools(&json!({"tools": weather})).unwrap(), Some(&weather));
+        assert_eq!(tools(&json!({"tools": weather, "tool_choice": "auto"})).unwrap(), Some(&weather));
+        assert_eq!(tools(&json!({"tools": weather, "tool_choice": "none"})).unwrap(), None);
+        assert_eq!(tools(&json!({"tools": []})).unwrap(), None);
+        assert_eq!(tools(&json!({"tools": null})).unwrap(), None);
+        for (body, needle) in [
+            (json!({"tools": {"name": "x"}}), "`tools` must be an array"),
+            (json!({"tools": [{"type": "retrieval"}]}), "`tools[0].type`"),
+            (json!({"tools": [{"type": "function", "function": {}}]}), "`tools[0].function.name`"),
+            (json!({"tools": weather, "tool_choice": "required"}), "cannot force a tool call"),
+            (
+                json!({"tools": weather, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}),
+                "cannot force a tool call",
+            ),
+        ] {
+            let err = tools(&body).unwrap_err();
+            assert!(err.0.contains(needle), "{body}: {err}");
+        }
+    }
+
+    #[test]
+    fn tool_calls_render_as_openai_renders_them() {
+        let call = ToolCall { id: "call_1".into(), name: "get_weather".into(), arguments: r#"{"city":"Oslo"}"#.into() };
+        let whole = choice(Kind::Chat, 0, "", "tool_calls", None, std::slice::from_ref(&call));
+        assert_eq!(
+            whole["message"],
+            json!({"role": "assistant", "content": null, "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": r#"{"city":"Oslo"}"#}}
+            ]})
+        );
+        let mut streamed = chunk(Kind::Chat, ("id", 0, "m"), 0, None, None);
+        add_tool_calls(&mut streamed, &[call], 2);
+        assert_eq!(streamed["choices"][0]["delta"]["tool_calls"][0]["index"], 2);
+        assert_eq!(streamed["choices"][0]["delta"]["tool_calls"][0]["function"]["name"], "get_weather");
     }
 
     #[test]

@@ -9,11 +9,26 @@ decoded; exits non-zero with the failed check's message. Prints one line per che
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 import openai
 
 CHAT = [{"role": "user", "content": "Name three colours, then count from one to ten."}]
+WEATHER = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+
+
+def weather_chat(city: str) -> list[dict]:
+    """Two questions the assistant answered with calls, then a new one: the model follows suit."""
+    chat = []
+    for i, earlier in enumerate(("Berlin", "Rome")):
+        chat += [{"role": "user", "content": f"What is the weather in {earlier}?"},
+                 {"role": "assistant", "content": None, "tool_calls": [{
+                     "id": f"call_{i}", "type": "function",
+                     "function": {"name": "get_weather", "arguments": f'{{"city": "{earlier}"}}'}}]}]
+    return chat + [{"role": "user", "content": f"What is the weather in {city}?"}]
 
 
 def main() -> None:
@@ -102,6 +117,28 @@ def main() -> None:
         for c in chunk.choices:
             by_index[c.index] = by_index.get(c.index, "") + (c.delta.content or "")
     check("n=2 stream", by_index == {0: answer, 1: answer}, by_index)
+
+    # Tool calls (decoded serves a chat template that renders tools): parsed, never shown as text.
+    called = client.chat.completions.create(model=model, messages=weather_chat("Paris"), tools=WEATHER,
+                                            max_tokens=40, temperature=0)
+    choice = called.choices[0]
+    calls = [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls or []]
+    check("tool call", choice.finish_reason == "tool_calls" and calls == [("get_weather", {"city": "Paris"})]
+          and not choice.message.content, called)
+    deltas, finish = [], None
+    for chunk in client.chat.completions.create(model=model, messages=weather_chat("Oslo"), tools=WEATHER,
+                                                max_tokens=40, temperature=0, stream=True):
+        for c in chunk.choices:
+            deltas += c.delta.tool_calls or []
+            finish = c.finish_reason or finish
+    check("tool call stream", finish == "tool_calls" and [(d.index, d.function.name, json.loads(d.function.arguments))
+                                                          for d in deltas] == [(0, "get_weather", {"city": "Oslo"})],
+          (deltas, finish))
+    try:
+        client.chat.completions.create(model=model, messages=CHAT, tools=WEATHER, tool_choice="required")
+        check("forced tool call", False, "answered")
+    except openai.BadRequestError as e:
+        check("forced tool call", "tool_choice" in str(e), e)
     try:
         openai.OpenAI(base_url=f"{args.url}/v1", api_key="sk-wrong", max_retries=0).models.list()
         check("wrong key", False, "answered")

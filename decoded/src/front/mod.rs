@@ -131,7 +131,9 @@ impl<S: Send + Sync> axum::extract::FromRequest<S> for Body {
 async fn tokenize(State(front): State<Front>, Body(body): Body) -> Result<Json<Value>, FrontError> {
     let engine = front.engine.as_ref().ok_or(FrontError::EngineUnavailable)?;
     let input = match (body.get("messages").filter(|m| m.is_array()), body.get("prompt").and_then(Value::as_str)) {
-        (Some(messages), None) => TokenizeInput::Chat { messages, add_generation_prompt: true },
+        (Some(messages), None) => {
+            TokenizeInput::Chat { messages, add_generation_prompt: true, tools: openai::tools(&body)? }
+        }
         (None, Some(prompt)) => TokenizeInput::Text { prompt },
         _ => return Err(FrontError::BadRequest("give either `messages` (an array) or `prompt` (a string)".into())),
     };
@@ -142,7 +144,8 @@ async fn tokenize(State(front): State<Front>, Body(body): Body) -> Result<Json<V
 
 async fn chat(State(front): State<Front>, headers: HeaderMap, Body(body): Body) -> Result<Response, FrontError> {
     let messages = openai::chat_messages(&body)?;
-    let input = TokenizeInput::Chat { messages: &messages, add_generation_prompt: true };
+    let tools = openai::tools(&body)?;
+    let input = TokenizeInput::Chat { messages: &messages, add_generation_prompt: true, tools };
     front.complete(&headers, &body, input, Kind::Chat).await
 }
 
@@ -198,6 +201,10 @@ impl Front {
         let started = Instant::now();
         let mode = mode(headers)?;
         let sampling = openai::sampling(body, kind)?;
+        let tools = match input {
+            TokenizeInput::Chat { tools, .. } => tools.cloned(),
+            TokenizeInput::Text { .. } => None,
+        };
         let engine = self.engine.as_ref().ok_or(FrontError::EngineUnavailable)?;
         let _in_flight = telemetry::InFlight::enter(metric::IN_FLIGHT);
         let tokens = engine.tokenize(input).await?;
@@ -236,6 +243,7 @@ impl Front {
                 presence_penalty: sampling.presence_penalty,
                 frequency_penalty: sampling.frequency_penalty,
                 logprobs: sampling.logprobs,
+                tools: tools.as_ref(),
             };
             // The lease lives until the generation ends: the adapter reads the
             // block files on its own schedule, after this request is written.
@@ -270,6 +278,7 @@ impl Front {
             spec_fingerprint: info.spec.spec_fingerprint.clone(),
             max_tokens,
             sampling,
+            tools,
         };
 
         if choices.sampling.stream {
@@ -283,6 +292,7 @@ impl Front {
                 let (mut first, mut completion_tokens) = (true, 0);
                 let mut generation = Some(generation);
                 for index in 0..choices.sampling.n {
+                    let mut calls_sent = 0;
                     let mut generation = match generation.take() {
                         Some(started) => started,
                         None => match choices.start(index).await {
@@ -300,11 +310,16 @@ impl Front {
                             Err(_) => Err(EngineError::Internal("front.request_timeout passed".into())),
                         };
                         let data = match event {
-                            Ok(GenerateEvent::Token { text, logprob, .. }) => {
+                            Ok(GenerateEvent::Token { text, logprob, tool_calls, .. }) => {
                                 if std::mem::take(&mut first) {
                                     record_ttft(&verdict, started);
                                 }
-                                let mut chunk = openai::chunk(kind, ids, index, Some(&text), None);
+                                let text = Some(text.as_str()).filter(|t| !t.is_empty() || tool_calls.is_empty());
+                                let mut chunk = openai::chunk(kind, ids, index, text, None);
+                                if !tool_calls.is_empty() {
+                                    openai::add_tool_calls(&mut chunk, &tool_calls, calls_sent);
+                                    calls_sent += tool_calls.len();
+                                }
                                 if let Some(entry) = logprob {
                                     chunk["choices"][0]["logprobs"] = openai::logprobs(kind, &[entry]);
                                 }
@@ -319,6 +334,9 @@ impl Front {
                                     // a possible stop sequence that never completed) ends the answer.
                                     let held = Some(summary.text.as_str()).filter(|t| !t.is_empty());
                                     let mut last = openai::chunk(kind, ids, index, held, Some(&summary.finish_reason));
+                                    if !summary.tool_calls.is_empty() {
+                                        openai::add_tool_calls(&mut last, &summary.tool_calls, calls_sent);
+                                    }
                                     if index + 1 == choices.sampling.n {
                                         record_outcome(&verdict);
                                         last["usage"] = openai::usage(
@@ -359,9 +377,11 @@ impl Front {
             };
             let mut text = String::new();
             let mut logprobs = Vec::new();
+            let mut calls = Vec::new();
             let summary = loop {
                 match generation.next().await {
-                    Some(Ok(GenerateEvent::Token { text: piece, logprob, .. })) => {
+                    Some(Ok(GenerateEvent::Token { text: piece, logprob, tool_calls, .. })) => {
+                        calls.extend(tool_calls);
                         if !plan.verdict.timings_ms.contains_key("first_token") {
                             record_ttft(&plan.verdict, started);
                             plan.verdict.timings_ms.insert("first_token".into(), ms(started));
@@ -371,6 +391,7 @@ impl Front {
                     }
                     Some(Ok(GenerateEvent::Done(summary))) => {
                         text.push_str(&summary.text);
+                        calls.extend(summary.tool_calls.iter().cloned());
                         break summary;
                     }
                     Some(Err(e)) => return Err(e.into()),
@@ -379,7 +400,7 @@ impl Front {
             };
             check_restored(&plan.verdict, &summary)?;
             let logprobs = choices.sampling.logprobs.map(|_| openai::logprobs(kind, &logprobs));
-            answers.push(openai::choice(kind, index, &text, &summary.finish_reason, logprobs));
+            answers.push(openai::choice(kind, index, &text, &summary.finish_reason, logprobs, &calls));
             summaries.push(summary);
         }
         drop(lease);
@@ -410,6 +431,7 @@ struct Choices {
     spec_fingerprint: String,
     max_tokens: u32,
     sampling: openai::Sampling,
+    tools: Option<Value>,
 }
 
 impl Choices {
@@ -429,6 +451,7 @@ impl Choices {
             presence_penalty: sampling.presence_penalty,
             frequency_penalty: sampling.frequency_penalty,
             logprobs: sampling.logprobs,
+            tools: self.tools.as_ref(),
         };
         let mut generation = self.engine.generate(&request).await?;
         generation.started().await?;

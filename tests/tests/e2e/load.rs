@@ -17,11 +17,11 @@ const REQUEST_TIMEOUT_S: u64 = 30;
 
 /// decoded with its real engine, a store under `scratch`, blocks of 32 and
 /// `front` (more `[front]` keys); ready.
-async fn decoded_with_engine(scratch: &Scratch, front: &str) -> Daemon {
+async fn decoded_with_engine(scratch: &Scratch, engine: &str, front: &str) -> Daemon {
     let config = Engines::locate().decoded_config(
         &scratch.0.join("store"),
         32,
-        &format!("[front]\nlisten = \"127.0.0.1:0\"\n{front}"),
+        &format!("{engine}[front]\nlisten = \"127.0.0.1:0\"\n{front}"),
     );
     let decoded = Daemon::start("decoded", &config).await;
     decoded.wait_ready(Duration::from_secs(300)).await;
@@ -36,7 +36,7 @@ fn completion(prompt: &str, max_tokens: u32, stream: bool) -> Value {
 async fn admission_deadline_and_cancellation() {
     let scratch = Scratch::new("load");
     let front = format!("max_pending_requests = 1\nrequest_timeout = \"{REQUEST_TIMEOUT_S}s\"\n");
-    let decoded = decoded_with_engine(&scratch, &front).await;
+    let decoded = decoded_with_engine(&scratch, "", &front).await;
     let url = format!("http://{}/v1/completions", decoded.front.unwrap());
     let client = reqwest::Client::new();
     let short = || client.post(&url).json(&completion("The capital of France is", 2, false)).send();
@@ -105,7 +105,7 @@ async fn admission_deadline_and_cancellation() {
 #[tokio::test]
 async fn a_decode_engine_crash_mid_answer_ends_it_cleanly_and_the_engine_returns() {
     let scratch = Scratch::new("crash");
-    let decoded = decoded_with_engine(&scratch, "").await;
+    let decoded = decoded_with_engine(&scratch, "", "").await;
     let url = format!("http://{}/v1/completions", decoded.front.unwrap());
     let client = reqwest::Client::new();
 
@@ -206,7 +206,7 @@ async fn blocks_waiting_in_the_engine_queue_are_not_evicted() {
 #[tokio::test]
 async fn stop_sequences_end_answers_before_them() {
     let scratch = Scratch::new("stop");
-    let decoded = decoded_with_engine(&scratch, "").await;
+    let decoded = decoded_with_engine(&scratch, "", "").await;
     let url = format!("http://{}/v1/completions", decoded.front.unwrap());
     let client = reqwest::Client::new();
     let complete = |body: Value| {
@@ -243,13 +243,19 @@ async fn stop_sequences_end_answers_before_them() {
 
 /// OpenAI's own Python SDK against the front door (behind an API key): models, chat, streaming
 /// with usage, completions, `stop`, list-form content, logprobs (chat, streamed, legacy), a
-/// reproducible seed, penalties, `n` answers (streamed too), and the errors it raises as its own
-/// exception types.
+/// reproducible seed, penalties, `n` answers (streamed too), tool calls (decoded serving a chat
+/// template that renders tools; streamed too), and the errors it raises as its own exception types.
 #[tokio::test]
 async fn the_openai_sdk_is_answered_as_openai_answers() {
     let scratch = Scratch::new("sdk");
     let key = "sk-sdk-test-4f1c";
-    let decoded = decoded_with_engine(&scratch, &format!("api_keys = [{key:?}]\nmodel_name = \"smollm2\"\n")).await;
+    let template = pdbridge_tests::workspace_root().join("deploy/templates/smollm2-tools.jinja");
+    let decoded = decoded_with_engine(
+        &scratch,
+        &format!("chat_template = {template:?}\n"),
+        &format!("api_keys = [{key:?}]\nmodel_name = \"smollm2\"\n"),
+    )
+    .await;
     let engines = Engines::locate();
     let script = pdbridge_tests::workspace_root().join("tests/sdk/openai_sdk.py");
     let output = tokio::process::Command::new(&engines.python)
@@ -260,5 +266,5 @@ async fn the_openai_sdk_is_answered_as_openai_answers() {
         .expect("run the SDK script");
     let said = format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
     assert!(output.status.success(), "{said}\ndecoded's log:\n{}", decoded.log_text());
-    assert_eq!(said.lines().filter(|l| l.starts_with("ok ")).count(), 16, "{said}");
+    assert_eq!(said.lines().filter(|l| l.starts_with("ok ")).count(), 19, "{said}");
 }
