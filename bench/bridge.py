@@ -298,6 +298,8 @@ def timed(client: Client, log: EngineLog, prompt: dict, mode: str, max_tokens: i
         "error": error,
         "verdict": verdict,
         "ttft_s": ttft,
+        "last_chunk_s": None if last is None else last - started,
+        "started_monotonic": started,
         "total_s": ended - started,
         "completion_chunks": chunks,
         "completion_tokens": usage.get("completion_tokens"),

@@ -1,0 +1,182 @@
+#!/usr/bin/env python3
+"""Many users at once: the decoder's continuous batching (issue 16, item 2), native and bridged.
+
+Both daemons on the test model, with the decode adapter batching up to `engine.max_batch`
+generations (mlx-lm's BatchGenerator; restored store blocks join as per-request caches). For 1, 4
+and 8 concurrent users, each round fires that many streamed chats at once (a barrier), each on a
+cold prompt of its own (~`--prompt-tokens`, real text, unique tag: nothing is in the store), greedy,
+`--max-tokens` long:
+
+  native   `X-PD-Bridge-Mode: native`: the decoder prefills every prompt itself (batched too);
+  bridged  `X-PD-Bridge-Mode: auto`: prefilld bridges every prompt; must say `bridged`.
+
+Per round: TTFT p50/p95 (nearest rank), aggregate decode tokens/s (every streamed chunk after each
+request's first, over the time from the round's first first chunk to its last chunk), output
+tokens/s (all chunks over the round's wall time), the mean per-user decode rate.
+
+Then the daemons restart with `engine.max_batch = 1` (one generation at a time, the adapter before
+batching) and the 8-user bridged round is served again on the same 8 prompts (fresh store: bridged
+again): the side-by-side ratio of what batching buys, and a check that every batched answer equals
+the one served alone.
+
+    bench/concurrency.sh [--prompt-tokens 512] [--max-tokens 48] [--users 1,4,8]
+
+Writes OUT/concurrency.json; prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import math
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bridge import Client, EngineLog, Prompts, check, corpus, machine_info, timed  # noqa: E402
+from daemons import ROOT, Daemons  # noqa: E402
+
+MODEL = "smollm2"
+MAX_LEN = 8192
+EXPECTED = {"native": "native", "auto": "bridged"}
+
+
+def nearest_rank(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+
+
+def round_of(client: Client, log: EngineLog, prompts: list[dict], mode: str, max_tokens: int) -> dict:
+    """All prompts at once, one user each."""
+    rows: list[dict | None] = [None] * len(prompts)
+    barrier = threading.Barrier(len(prompts))
+
+    def user(i: int) -> None:
+        barrier.wait()
+        rows[i] = timed(client, log, prompts[i], mode, max_tokens)
+
+    t0 = time.monotonic()
+    threads = [threading.Thread(target=user, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.monotonic() - t0
+    rejected = [(r["prompt_tag"], why) for r in rows if (why := check(r, EXPECTED[mode]))]
+    ok = [r for r in rows if check(r, EXPECTED[mode]) is None]
+    summary: dict = {"users": len(prompts), "mode": "bridged" if mode == "auto" else "native", "wall_s": round(wall, 2),
+                     "rejected": rejected}
+    if ok:
+        firsts = [r["started_monotonic"] + r["ttft_s"] for r in ok]
+        lasts = [r["started_monotonic"] + r["last_chunk_s"] for r in ok]
+        decoded_chunks = sum(r["completion_chunks"] - 1 for r in ok)
+        ttfts = [r["ttft_s"] for r in ok]
+        rates = [r["decode_tok_s"] for r in ok if r["decode_tok_s"]]
+        summary.update({
+            "ttft_p50_s": round(nearest_rank(ttfts, 0.5), 3),
+            "ttft_p95_s": round(nearest_rank(ttfts, 0.95), 3),
+            "aggregate_decode_tok_s": round(decoded_chunks / (max(lasts) - min(firsts)), 2),
+            "output_tok_s": round(sum(r["completion_chunks"] for r in ok) / wall, 2),
+            "per_user_decode_tok_s_mean": round(sum(rates) / len(rates), 2) if rates else None,
+            "completion_tokens": [r["completion_tokens"] for r in ok],
+        })
+    summary["requests"] = [{k: r[k] for k in ("prompt_tag", "prompt_tokens", "ttft_s", "last_chunk_s", "total_s",
+                                              "completion_chunks", "decode_tok_s", "finish_reason", "verdict",
+                                              "error", "text")} for r in rows]
+    return summary
+
+
+def table(rounds: list[dict]) -> str:
+    out = ["| max_batch | mode | users | TTFT p50 s | TTFT p95 s | aggregate decode tok/s | output tok/s | per-user decode tok/s |",
+           "|---|---|---|---|---|---|---|---|"]
+    for r in rounds:
+        out.append(f"| {r['max_batch']} | {r['mode']} | {r['users']} | {r.get('ttft_p50_s')} | {r.get('ttft_p95_s')} | "
+                   f"{r.get('aggregate_decode_tok_s')} | {r.get('output_tok_s')} | {r.get('per_user_decode_tok_s_mean')} |")
+    return "\n".join(out)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--prompt-tokens", type=int, default=512)
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--users", default="1,4,8")
+    p.add_argument("--max-batch", type=int, default=8)
+    p.add_argument("--out", default="bench/results")
+    p.add_argument("--run-dir", default="var/bench-concurrency")
+    args = p.parse_args()
+    users = [int(u) for u in args.users.split(",")]
+    started = time.monotonic()
+    started_utc = dt.datetime.now(dt.timezone.utc)
+
+    def say(msg: str) -> None:
+        print(f"[{time.monotonic() - started:6.0f} s] {msg}", file=sys.stderr, flush=True)
+
+    rounds: list[dict] = []
+    batched_prompts: list[dict] = []
+    with Daemons(MODEL, args.run_dir, MAX_LEN, decoder=f"max_batch = {args.max_batch}") as daemons:
+        client, log = Client(daemons.front), EngineLog(daemons.decoded_log)
+        prompts = Prompts(client, corpus(), started_utc.strftime("conc-%Y%m%dT%H%M%S"))
+        # One short request first: the engines' one-time warm-up is nobody's TTFT.
+        timed(client, log, prompts.make(args.prompt_tokens), "auto", 4)
+        for mode in ("auto", "native"):
+            for n in users:
+                batch = [prompts.make(args.prompt_tokens) for _ in range(n)]
+                say(f"{mode} x{n} ...")
+                result = round_of(client, log, batch, mode, args.max_tokens)
+                rounds.append({"max_batch": args.max_batch, **result})
+                say(f"  {json.dumps({k: v for k, v in result.items() if k != 'requests'})}")
+                if mode == "auto" and n == max(users):
+                    batched_prompts = batch
+    serial = None
+    with Daemons(MODEL, args.run_dir + "-serial", MAX_LEN, decoder="max_batch = 1") as daemons:
+        client, log = Client(daemons.front), EngineLog(daemons.decoded_log)
+        timed(client, log, Prompts(client, corpus(), "warmup-serial").make(args.prompt_tokens), "auto", 4)
+        say(f"auto x{len(batched_prompts)}, max_batch 1 ...")
+        serial = round_of(client, log, batched_prompts, "auto", args.max_tokens)
+        rounds.append({"max_batch": 1, **serial})
+        say(f"  {json.dumps({k: v for k, v in serial.items() if k != 'requests'})}")
+
+    batched = next(r for r in rounds if r["max_batch"] == args.max_batch and r["mode"] == "bridged"
+                   and r["users"] == max(users))
+    single = next(r for r in rounds if r["max_batch"] == args.max_batch and r["mode"] == "bridged" and r["users"] == 1)
+    texts = {q["prompt_tag"]: q["text"] for q in batched["requests"]}
+    same = [texts.get(q["prompt_tag"]) == q["text"] for q in serial["requests"]]
+
+    def ratio(a, b):
+        return round(a / b, 2) if a and b else None
+
+    result = {
+        "benchmark": "concurrency",
+        "what": "continuous batching in the decode adapter: 1/4/8 concurrent users, native and bridged",
+        "started_utc": started_utc.isoformat(timespec="seconds"),
+        "duration_s": round(time.monotonic() - started, 1),
+        "machine": machine_info(),
+        "setup": {"model": MODEL, "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
+                  "temperature": 0, "max_batch": args.max_batch, "block_tokens": 256,
+                  "percentiles": "nearest rank",
+                  "aggregate_decode_tok_s": "sum over requests of (streamed chunks - 1) / (last chunk of the round - "
+                                            "first first-chunk of the round)"},
+        "summary": {
+            "bridged_aggregate_decode_8_over_1": ratio(batched.get("aggregate_decode_tok_s"),
+                                                       single.get("aggregate_decode_tok_s")),
+            "bridged_8_users_batched_over_serial_aggregate_decode": ratio(batched.get("aggregate_decode_tok_s"),
+                                                                          serial.get("aggregate_decode_tok_s")),
+            "bridged_8_users_batched_over_serial_wall": ratio(serial["wall_s"], batched["wall_s"]),
+            "batched_answers_equal_serial": f"{sum(same)}/{len(same)}",
+        },
+        "rounds": rounds,
+    }
+    out = ROOT / args.out / "concurrency.json"
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(table(rounds))
+    print(json.dumps(result["summary"], indent=2))
+    say(f"wrote {out}")
+    rejected = sum(len(r["rejected"]) for r in rounds)
+    return 0 if rejected == 0 and all(same) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
