@@ -19,7 +19,13 @@ batching) and the 8-user bridged round is served again on the same 8 prompts (fr
 again): the side-by-side ratio of what batching buys, and a check that every batched answer equals
 the one served alone.
 
-    bench/concurrency.sh [--prompt-tokens 512] [--max-tokens 48] [--users 1,4,8]
+All of it for two decoder setups, because batching pays only where a step's cost does not grow with
+the rows in it: `dense` (SmolLM2's weights dequantized to fp32 — the prefill side's folder — with
+OpenBLAS preloaded for MLX's CPU backend through `engine.env`, as a Mac's Accelerate/Metal kernels
+would do the matmuls) and `q4` (the default 4-bit decoder on MLX's bundled reference BLAS, whose
+kernels cost the same per row batched or not).
+
+    bench/concurrency.sh [--prompt-tokens 512] [--max-tokens 48] [--users 1,4,8] [--setups dense,q4]
 
 Writes OUT/concurrency.json; prints a markdown table.
 """
@@ -90,12 +96,28 @@ def round_of(client: Client, log: EngineLog, prompts: list[dict], mode: str, max
 
 
 def table(rounds: list[dict]) -> str:
-    out = ["| max_batch | mode | users | TTFT p50 s | TTFT p95 s | aggregate decode tok/s | output tok/s | per-user decode tok/s |",
-           "|---|---|---|---|---|---|---|---|"]
+    out = ["| decoder | max_batch | mode | users | TTFT p50 s | TTFT p95 s | aggregate decode tok/s | output tok/s | per-user decode tok/s |",
+           "|---|---|---|---|---|---|---|---|---|"]
     for r in rounds:
-        out.append(f"| {r['max_batch']} | {r['mode']} | {r['users']} | {r.get('ttft_p50_s')} | {r.get('ttft_p95_s')} | "
+        out.append(f"| {r['setup']} | {r['max_batch']} | {r['mode']} | {r['users']} | {r.get('ttft_p50_s')} | {r.get('ttft_p95_s')} | "
                    f"{r.get('aggregate_decode_tok_s')} | {r.get('output_tok_s')} | {r.get('per_user_decode_tok_s_mean')} |")
     return "\n".join(out)
+
+
+def openblas() -> Path:
+    """The OpenBLAS the engines' environment already holds (opencv's wheel, a vLLM dependency)."""
+    found = sorted((ROOT / ".venv").glob("lib/python*/site-packages/opencv_python_headless.libs/libopenblas*.so"))
+    if not found:
+        raise SystemExit("no OpenBLAS in .venv (opencv-python-headless's libopenblas*.so)")
+    return found[0]
+
+
+# The decoder setups measured: (name, decoder model folder under models/ or None for the default
+# 4-bit one, whether MLX's CPU backend gets OpenBLAS, the concurrency levels).
+SETUPS = {
+    "dense": ("smollm2-hf", True),
+    "q4": (None, False),
+}
 
 
 def main() -> int:
@@ -104,6 +126,7 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--users", default="1,4,8")
     p.add_argument("--max-batch", type=int, default=8)
+    p.add_argument("--setups", default="dense,q4", help=f"decoder setups, of {','.join(SETUPS)}")
     p.add_argument("--out", default="bench/results")
     p.add_argument("--run-dir", default="var/bench-concurrency")
     args = p.parse_args()
@@ -114,39 +137,59 @@ def main() -> int:
     def say(msg: str) -> None:
         print(f"[{time.monotonic() - started:6.0f} s] {msg}", file=sys.stderr, flush=True)
 
+    def daemons(setup: str, max_batch: int, run_dir: str) -> Daemons:
+        decoder_model, blas = SETUPS[setup]
+        decoder = f"max_batch = {max_batch}\n"
+        if blas:
+            decoder += f'[engine.env]\nLD_PRELOAD = "{openblas()}"\n'
+        return Daemons(MODEL, run_dir, MAX_LEN, decoder=decoder, decoder_model=decoder_model)
+
     rounds: list[dict] = []
-    batched_prompts: list[dict] = []
-    with Daemons(MODEL, args.run_dir, MAX_LEN, decoder=f"max_batch = {args.max_batch}") as daemons:
-        client, log = Client(daemons.front), EngineLog(daemons.decoded_log)
-        prompts = Prompts(client, corpus(), started_utc.strftime("conc-%Y%m%dT%H%M%S"))
-        # One short request first: the engines' one-time warm-up is nobody's TTFT.
-        timed(client, log, prompts.make(args.prompt_tokens), "auto", 4)
-        for mode in ("auto", "native"):
-            for n in users:
-                batch = [prompts.make(args.prompt_tokens) for _ in range(n)]
-                say(f"{mode} x{n} ...")
-                result = round_of(client, log, batch, mode, args.max_tokens)
-                rounds.append({"max_batch": args.max_batch, **result})
-                say(f"  {json.dumps({k: v for k, v in result.items() if k != 'requests'})}")
-                if mode == "auto" and n == max(users):
-                    batched_prompts = batch
-    serial = None
-    with Daemons(MODEL, args.run_dir + "-serial", MAX_LEN, decoder="max_batch = 1") as daemons:
-        client, log = Client(daemons.front), EngineLog(daemons.decoded_log)
-        timed(client, log, Prompts(client, corpus(), "warmup-serial").make(args.prompt_tokens), "auto", 4)
-        say(f"auto x{len(batched_prompts)}, max_batch 1 ...")
-        serial = round_of(client, log, batched_prompts, "auto", args.max_tokens)
-        rounds.append({"max_batch": 1, **serial})
-        say(f"  {json.dumps({k: v for k, v in serial.items() if k != 'requests'})}")
+    summary: dict = {}
+    ok = True
+    for setup in args.setups.split(","):
+        batched_prompts: list[dict] = []
+        with daemons(setup, args.max_batch, f"{args.run_dir}-{setup}") as d:
+            client, log = Client(d.front), EngineLog(d.decoded_log)
+            prompts = Prompts(client, corpus(), started_utc.strftime(f"conc-{setup}-%Y%m%dT%H%M%S"))
+            # One short request first: the engines' one-time warm-up is nobody's TTFT.
+            timed(client, log, prompts.make(args.prompt_tokens), "auto", 4)
+            for mode in ("auto", "native"):
+                for n in users:
+                    batch = [prompts.make(args.prompt_tokens) for _ in range(n)]
+                    say(f"{setup}: {mode} x{n} ...")
+                    result = round_of(client, log, batch, mode, args.max_tokens)
+                    rounds.append({"setup": setup, "max_batch": args.max_batch, **result})
+                    say(f"  {json.dumps({k: v for k, v in result.items() if k != 'requests'})}")
+                    if mode == "auto" and n == max(users):
+                        batched_prompts = batch
+        # The same prompts, one generation at a time (a fresh store: bridged again).
+        with daemons(setup, 1, f"{args.run_dir}-{setup}-serial") as d:
+            client, log = Client(d.front), EngineLog(d.decoded_log)
+            timed(client, log, Prompts(client, corpus(), f"warmup-{setup}").make(args.prompt_tokens), "auto", 4)
+            say(f"{setup}: auto x{len(batched_prompts)}, max_batch 1 ...")
+            serial = round_of(client, log, batched_prompts, "auto", args.max_tokens)
+            rounds.append({"setup": setup, "max_batch": 1, **serial})
+            say(f"  {json.dumps({k: v for k, v in serial.items() if k != 'requests'})}")
 
-    batched = next(r for r in rounds if r["max_batch"] == args.max_batch and r["mode"] == "bridged"
-                   and r["users"] == max(users))
-    single = next(r for r in rounds if r["max_batch"] == args.max_batch and r["mode"] == "bridged" and r["users"] == 1)
-    texts = {q["prompt_tag"]: q["text"] for q in batched["requests"]}
-    same = [texts.get(q["prompt_tag"]) == q["text"] for q in serial["requests"]]
+        def pick(mode: str, n: int) -> dict:
+            return next(r for r in rounds if r["setup"] == setup and r["max_batch"] == args.max_batch
+                        and r["mode"] == mode and r["users"] == n)
 
-    def ratio(a, b):
-        return round(a / b, 2) if a and b else None
+        batched, single = pick("bridged", max(users)), pick("bridged", 1)
+        texts = {q["prompt_tag"]: q["text"] for q in batched["requests"]}
+        same = [texts.get(q["prompt_tag"]) == q["text"] for q in serial["requests"]]
+        summary[setup] = {
+            "bridged_aggregate_decode_8_over_1": ratio(batched.get("aggregate_decode_tok_s"),
+                                                       single.get("aggregate_decode_tok_s")),
+            "native_aggregate_decode_8_over_1": ratio(pick("native", max(users)).get("aggregate_decode_tok_s"),
+                                                      pick("native", 1).get("aggregate_decode_tok_s")),
+            "bridged_8_users_batched_over_serial_aggregate_decode": ratio(batched.get("aggregate_decode_tok_s"),
+                                                                          serial.get("aggregate_decode_tok_s")),
+            "bridged_8_users_serial_over_batched_wall": ratio(serial["wall_s"], batched["wall_s"]),
+            "batched_answers_equal_serial": f"{sum(same)}/{len(same)}",
+        }
+        ok &= all(same)
 
     result = {
         "benchmark": "concurrency",
@@ -156,26 +199,28 @@ def main() -> int:
         "machine": machine_info(),
         "setup": {"model": MODEL, "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
                   "temperature": 0, "max_batch": args.max_batch, "block_tokens": 256,
+                  "decoders": {
+                      "dense": "models/smollm2-hf (the 4-bit weights dequantized, fp32) with OpenBLAS preloaded "
+                               "for MLX's CPU backend (engine.env LD_PRELOAD)",
+                      "q4": "models/smollm2-mlx (4-bit) on MLX's bundled reference BLAS",
+                  },
                   "percentiles": "nearest rank",
                   "aggregate_decode_tok_s": "sum over requests of (streamed chunks - 1) / (last chunk of the round - "
                                             "first first-chunk of the round)"},
-        "summary": {
-            "bridged_aggregate_decode_8_over_1": ratio(batched.get("aggregate_decode_tok_s"),
-                                                       single.get("aggregate_decode_tok_s")),
-            "bridged_8_users_batched_over_serial_aggregate_decode": ratio(batched.get("aggregate_decode_tok_s"),
-                                                                          serial.get("aggregate_decode_tok_s")),
-            "bridged_8_users_batched_over_serial_wall": ratio(serial["wall_s"], batched["wall_s"]),
-            "batched_answers_equal_serial": f"{sum(same)}/{len(same)}",
-        },
+        "summary": summary,
         "rounds": rounds,
     }
     out = ROOT / args.out / "concurrency.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(table(rounds))
-    print(json.dumps(result["summary"], indent=2))
+    print(json.dumps(summary, indent=2))
     say(f"wrote {out}")
     rejected = sum(len(r["rejected"]) for r in rounds)
-    return 0 if rejected == 0 and all(same) else 1
+    return 0 if rejected == 0 and ok else 1
+
+
+def ratio(a, b):
+    return round(a / b, 2) if a and b else None
 
 
 if __name__ == "__main__":

@@ -88,9 +88,10 @@ class Sampler:
         self._thread.join()
 
 
-def configs(run: Path, ports: dict, model: str, max_len: int, decoder: str = "", prefill_dtype: str = "float32"
-            ) -> tuple[Path, Path]:
-    """`decoder`: extra `[engine]` keys for decoded (dtype, kv_bits, …)."""
+def configs(run: Path, ports: dict, model: str, max_len: int, decoder: str = "", prefill_dtype: str = "float32",
+            decoder_model: str | None = None) -> tuple[Path, Path]:
+    """`decoder`: extra `[engine]` keys for decoded (dtype, kv_bits, …, then possibly `[engine.env]`);
+    `decoder_model`: the decoder's model folder under models/ (default `<model>-mlx`)."""
     decoded = f"""
 [server]
 grpc_listen = "127.0.0.1:{ports['decoded_grpc']}"
@@ -105,7 +106,7 @@ push_idle_timeout = "3600s"
 [engine]
 python = "{ROOT}/.venv/bin/python"
 adapter_dir = "{ROOT}/decoded/engine"
-model = "{ROOT}/models/{model}-mlx"
+model = "{ROOT}/models/{decoder_model or model + '-mlx'}"
 socket = "{run}/engine.sock"
 start_timeout = "600s"
 {decoder}
@@ -171,14 +172,15 @@ def open_files(pid: int) -> int:
 class Daemons:
     """decoded + prefilld on `model`, ready on entry, stopped on exit."""
 
-    def __init__(self, model: str, run_dir: str, max_len: int, decoder: str = "", prefill_dtype: str = "float32"):
+    def __init__(self, model: str, run_dir: str, max_len: int, decoder: str = "", prefill_dtype: str = "float32",
+                 decoder_model: str | None = None):
         self.run = (ROOT / run_dir).resolve()
         subprocess.run(["rm", "-rf", str(self.run)], check=True)
         self.run.mkdir(parents=True)
         self.ports = {
             k: free_port() for k in ("decoded_grpc", "decoded_admin", "front", "prefilld_grpc", "prefilld_admin")
         }
-        self.tomls = configs(self.run, self.ports, model, max_len, decoder, prefill_dtype)
+        self.tomls = configs(self.run, self.ports, model, max_len, decoder, prefill_dtype, decoder_model)
         self.procs: dict[str, subprocess.Popen] = {}
         self.front = f"http://127.0.0.1:{self.ports['front']}"
         self.decoded_log = self.run / "decoded.log"

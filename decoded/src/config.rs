@@ -1,6 +1,6 @@
 //! decoded's configuration (see `deploy/examples/decoded.toml`).
 
-use std::{net::SocketAddr, path::PathBuf, time::Duration};
+use std::{collections::BTreeMap, net::SocketAddr, path::PathBuf, time::Duration};
 
 use pdbridge_common::{
     config::{ConfigError, LogConfig, ServerConfig, Validate},
@@ -173,6 +173,10 @@ pub struct EngineConfig {
     /// `--chat-template` (e.g. `deploy/templates/smollm2-tools.jinja`, which renders tools);
     /// mlx-lm picks its tool-call parser from the template.
     pub chat_template: Option<PathBuf>,
+    /// Extra environment for the adapter (e.g. `LD_PRELOAD` of an optimized BLAS for MLX's CPU
+    /// backend, `MLX_*` settings).
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
 }
 
 impl Validate for EngineConfig {

@@ -544,6 +544,7 @@ fn spawn(config: &EngineConfig, block_tokens: u32) -> Result<Child, EngineError>
         .arg(config.max_batch.to_string())
         .env("PYTHONPATH", &config.adapter_dir)
         .env("HF_HUB_OFFLINE", "1")
+        .envs(&config.env)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())

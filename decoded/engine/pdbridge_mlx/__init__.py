@@ -4,7 +4,7 @@ decoded runs it as
 
     PYTHONPATH=decoded/engine .venv/bin/python -m pdbridge_mlx \\
         --model <dir> --socket <path> [--block-tokens 256] [--dtype float32] \\
-        [--bundle-dir <dir>] [--model-id <id>]
+        [--bundle-dir <dir>] [--model-id <id>] [--max-batch 8] [--chat-template <file>]
 
 Startup: load the model, probe its cache (one token into a fresh cache), write
 the reconstruction bundle, bind the socket, then print exactly one line
@@ -44,9 +44,13 @@ and "{layer}.values", each [1, n_kv_heads, B, head_dim] in the cache dtype;
 metadata format="pdbridge-block-v1", pdb_block, pdb_tokens, pdb_spec, pdb_key
 (+ pdb_parent, pdb_token_ids as decoded's store writes them).
 
-Model work (generate, export) runs on one thread in arrival order (MLX is not
-thread-safe); info and tokenize answer on the connection's own thread, also
-while a generation runs.
+Model work runs on one thread (MLX is not thread-safe). Generations share it as
+one continuous batch of up to --max-batch (mlx-lm's BatchGenerator; a request's
+restored cache joins as its prompt cache), joining and leaving between steps;
+export, seeded sampling (temperature > 0 with a seed: mlx-lm samples from one
+global generator) and caches mlx-lm cannot batch (quantized KV) run alone, after
+the batch drains. info and tokenize answer on the connection's own thread, also
+while generations run.
 """
 
 __version__ = "0.1.0"
