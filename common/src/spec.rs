@@ -5,7 +5,8 @@ use prost::Message;
 use sha2::{Digest, Sha256};
 
 use crate::{
-    proto::{CacheKind, CacheSpec, Dtype},
+    block::{self, BlockKey},
+    proto::{CacheKind, CacheSpec, Dtype, LayerSpec},
     shard::Expected,
 };
 
@@ -46,13 +47,36 @@ pub fn block_tensor(spec: &CacheSpec, layer: u32, name: &str) -> Option<Expected
     rows_tensor(spec, layer, name, spec.block_tokens)
 }
 
-/// [`block_tensor`] for `rows` tokens (a prompt's tail is shorter than a block).
+/// [`block_tensor`] for `rows` tokens (a prompt's tail is shorter than a block);
+/// a snapshot layer's tensors have the same shape whatever the rows.
 pub fn rows_tensor(spec: &CacheSpec, layer: u32, name: &str, rows: u32) -> Option<Expected> {
     let layer = spec.layers.get(layer as usize)?;
     let tensor = layer.tensors.iter().find(|t| t.name == name)?;
     let mut shape = tensor.shape.clone();
-    *shape.get_mut(tensor.token_axis as usize)? = rows as u64;
+    if layer.kind() != CacheKind::Snapshot {
+        *shape.get_mut(tensor.token_axis as usize)? = rows as u64;
+    }
     Some(Expected { dtype: tensor.dtype(), shape })
+}
+
+/// Whether a layer of the spec keeps a recurrent state ([`CacheKind::Snapshot`]).
+pub fn has_snapshots(spec: &CacheSpec) -> bool {
+    spec.layers.iter().any(|l| l.kind() == CacheKind::Snapshot)
+}
+
+/// The prompt tokens whose whole blocks are stored. A recurrent state cannot be rewound, and the
+/// decoder must process a prompt's last token itself, so with a snapshot layer no stored block
+/// ends with it: the blocks are those of all but the last token.
+pub fn storable<'t>(spec: &CacheSpec, tokens: &'t [u32]) -> &'t [u32] {
+    match tokens.split_last() {
+        Some((_, before_last)) if has_snapshots(spec) => before_last,
+        _ => tokens,
+    }
+}
+
+/// The chained keys of a prompt's whole blocks (of its [`storable`] tokens).
+pub fn block_keys(spec: &CacheSpec, tokens: &[u32]) -> Vec<BlockKey> {
+    block::keys(&spec.spec_fingerprint, storable(spec, tokens), spec.block_tokens as usize)
 }
 
 /// Why a prefiller cannot reconstruct this spec's blocks, one line per layer
@@ -70,6 +94,7 @@ pub fn unsupported(spec: &CacheSpec) -> Vec<String> {
     for layer in &spec.layers {
         let problem = match layer.kind() {
             CacheKind::Rows => rows_problem(layer),
+            CacheKind::Snapshot => snapshot_problem(layer),
             CacheKind::Unsupported => Some(layer.unsupported_reason.clone()),
             CacheKind::Unspecified => Some(format!("{}: no cache kind", layer.cache_class)),
         };
@@ -80,29 +105,56 @@ pub fn unsupported(spec: &CacheSpec) -> Vec<String> {
     out
 }
 
-fn rows_problem(layer: &crate::proto::LayerSpec) -> Option<String> {
-    if layer.tensors.is_empty() {
-        return Some(format!("{} lists no tensors", layer.cache_class));
-    }
-    layer.tensors.iter().find_map(|t| {
-        let axis = t.token_axis as usize;
-        if t.shape.get(axis) != Some(&1) {
-            Some(format!("tensor {}: shape {:?} has no token axis {axis} of size 1", t.name, t.shape))
-        } else if t.dtype().size_bytes().is_none() {
-            Some(format!("tensor {}: no element size for {:?}", t.name, t.dtype()))
-        } else {
-            None
-        }
+fn rows_problem(layer: &LayerSpec) -> Option<String> {
+    tensors_problem(layer).or_else(|| {
+        layer.tensors.iter().find_map(|t| {
+            let axis = t.token_axis as usize;
+            (t.shape.get(axis) != Some(&1))
+                .then(|| format!("tensor {}: shape {:?} has no token axis {axis} of size 1", t.name, t.shape))
+        })
     })
 }
 
-/// Bytes of cache one token costs across all layers.
-pub fn bytes_per_token(spec: &CacheSpec) -> u64 {
+fn snapshot_problem(layer: &LayerSpec) -> Option<String> {
+    tensors_problem(layer).or_else(|| {
+        layer
+            .tensors
+            .iter()
+            .find(|t| t.shape.is_empty() || t.shape.contains(&0))
+            .map(|t| format!("tensor {}: shape {:?} holds nothing", t.name, t.shape))
+    })
+}
+
+fn tensors_problem(layer: &LayerSpec) -> Option<String> {
+    if layer.tensors.is_empty() {
+        return Some(format!("{} lists no tensors", layer.cache_class));
+    }
+    layer
+        .tensors
+        .iter()
+        .find(|t| t.dtype().size_bytes().is_none())
+        .map(|t| format!("tensor {}: no element size for {:?}", t.name, t.dtype()))
+}
+
+/// Bytes the layers of `kind` cost: per token for [`CacheKind::Rows`], per block for
+/// [`CacheKind::Snapshot`].
+fn bytes_of(spec: &CacheSpec, kind: CacheKind) -> u64 {
     spec.layers
         .iter()
+        .filter(|l| l.kind() == kind)
         .flat_map(|l| &l.tensors)
         .map(|t| t.shape.iter().product::<u64>() * t.dtype().size_bytes().unwrap_or(0) as u64)
         .sum()
+}
+
+/// Bytes of cache one token costs in the layers with per-token rows.
+pub fn bytes_per_token(spec: &CacheSpec) -> u64 {
+    bytes_of(spec, CacheKind::Rows)
+}
+
+/// Bytes of one block of `rows` tokens: their rows plus every snapshot layer's state.
+pub fn block_bytes(spec: &CacheSpec, rows: u32) -> u64 {
+    u64::from(rows) * bytes_per_token(spec) + bytes_of(spec, CacheKind::Snapshot)
 }
 
 impl Dtype {
@@ -185,6 +237,41 @@ mod tests {
             scaled.layers[0].rope.as_mut().unwrap().scaling.insert(k.into(), v);
         }
         assert_eq!(fingerprint(&scaled), fingerprint(&scaled.clone()), "deterministic with maps");
+    }
+
+    /// small_spec with layer 0 a recurrent layer: a conv state and a state matrix per block.
+    pub fn hybrid_spec() -> CacheSpec {
+        let mut spec = small_spec();
+        let state = |name: &str, shape: Vec<u64>| TensorSpec { name: name.into(), dtype: Dtype::F32 as i32, shape, token_axis: 0 };
+        spec.layers[0] = LayerSpec {
+            index: 0,
+            cache_class: "ArraysCache".into(),
+            kind: CacheKind::Snapshot as i32,
+            tensors: vec![state("state0", vec![1, 3, 32]), state("state1", vec![1, 2, 8, 8])],
+            ..Default::default()
+        };
+        spec.spec_fingerprint = fingerprint(&spec);
+        spec
+    }
+
+    #[test]
+    fn a_snapshot_layer_holds_one_state_per_block_and_no_block_ends_with_the_last_token() {
+        let spec = hybrid_spec();
+        assert_eq!(unsupported(&spec), Vec::<String>::new());
+        // The state's shape whatever the rows; the attention layer's rows as ever.
+        assert_eq!(rows_tensor(&spec, 0, "state1", 5).unwrap().shape, vec![1, 2, 8, 8]);
+        assert_eq!(rows_tensor(&spec, 1, "keys", 5).unwrap().shape, vec![1, 3, 5, 64]);
+        assert_eq!(bytes_per_token(&spec), 2 * 3 * 64 * 4);
+        assert_eq!(block_bytes(&spec, 16), 16 * 2 * 3 * 64 * 4 + (3 * 32 + 2 * 8 * 8) * 4);
+        // 32 tokens: two whole blocks of rows, but with a state only one (the 32nd token is the decoder's).
+        let tokens: Vec<u32> = (0..32).collect();
+        assert_eq!(block_keys(&small_spec(), &tokens).len(), 2);
+        assert_eq!(block_keys(&spec, &tokens).len(), 1);
+        assert_eq!(block_keys(&spec, &tokens[..17]).len(), 1);
+        assert!(block_keys(&spec, &[]).is_empty());
+        let mut empty = spec.clone();
+        empty.layers[0].tensors[1].shape = vec![1, 0, 8];
+        assert!(unsupported(&empty)[0].contains("holds nothing"), "{:?}", unsupported(&empty));
     }
 
     #[test]

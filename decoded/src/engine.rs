@@ -112,6 +112,8 @@ struct TensorJson {
     name: String,
     dtype: String,
     shape: Vec<u64>,
+    /// Absent for a snapshot layer's tensors.
+    #[serde(default)]
     token_axis: u32,
 }
 
@@ -377,6 +379,7 @@ fn to_spec(reply: InfoReply) -> Result<EngineInfo, EngineError> {
                 .collect::<Result<Vec<_>, EngineError>>()?;
             let kind = match l.kind.as_str() {
                 "rows" => CacheKind::Rows,
+                "snapshot" => CacheKind::Snapshot,
                 "unsupported" => CacheKind::Unsupported,
                 other => return Err(EngineError::Protocol(format!("layer {}: unknown cache kind {other:?}", l.index))),
             };

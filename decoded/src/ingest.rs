@@ -88,7 +88,7 @@ impl Ingest {
         if open.spec_fingerprint != spec.spec_fingerprint {
             return Err(IngestError::SpecMismatch { got: open.spec_fingerprint, want: spec.spec_fingerprint.clone() });
         }
-        let keys = block::keys(&spec.spec_fingerprint, &open.token_ids, spec.block_tokens as usize);
+        let keys = spec::block_keys(&spec, &open.token_ids);
         // A tail is shorter than a block and leaves the prompt's last token to the decoder.
         let tail_end = keys.len() * spec.block_tokens as usize + open.tail_tokens as usize;
         if open.tail_tokens >= spec.block_tokens || (open.tail_tokens > 0 && tail_end >= open.token_ids.len()) {

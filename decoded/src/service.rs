@@ -5,7 +5,6 @@
 use std::{pin::Pin, sync::Arc, time::Duration};
 
 use pdbridge_common::{
-    block,
     proto::{
         BundleChunk, CacheSpec, GetBundleRequest, GetSpecRequest, LookupRequest, LookupResponse, PushFrame,
         PushReceipt, PushSeal, cache_store_server::CacheStore, push_frame::Frame,
@@ -169,7 +168,7 @@ impl CacheStore for CacheStoreService {
         spec::check_tokens(&info.spec, &request.token_ids)
             .map_err(|problem| status_of(&ServiceError::BadTokens(problem)))?;
         let block_tokens = info.spec.block_tokens;
-        let keys = block::keys(&info.spec.spec_fingerprint, &request.token_ids, block_tokens as usize);
+        let keys = spec::block_keys(&info.spec, &request.token_ids);
         let cached_blocks = self.store.longest_prefix(&keys) as u32;
         let outcome = if cached_blocks > 0 { "hit" } else { "miss" };
         metrics::counter!("pdbridge_store_lookups_total", "outcome" => outcome).increment(1);

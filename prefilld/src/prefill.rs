@@ -133,7 +133,7 @@ impl Bridge {
         let decoder = self.decoders.get(&job.decoder_addr).await.map_err(|e| fail(e.reason(), e.to_string()))?;
         spec::check_tokens(&decoder.spec, &job.token_ids).map_err(|problem| fail(Reason::BadRequest, problem))?;
         let b = decoder.spec.block_tokens;
-        let whole_blocks = job.token_ids.len() as u32 / b;
+        let whole_blocks = spec::storable(&decoder.spec, &job.token_ids).len() as u32 / b;
         let first_block = match job.first_block {
             Some(first) => first,
             None => self.cached_blocks(&decoder, job).await?,
@@ -152,7 +152,7 @@ impl Bridge {
         let tail_tokens = if job.tail { (job.token_ids.len() as u32 - 1).saturating_sub(whole_blocks * b) } else { 0 };
         let prompt = &job.token_ids[..(whole_blocks * b + tail_tokens) as usize];
         let registration = &mut job.registration;
-        registration.expect_blocks((spec::bytes_per_token(&decoder.spec) * b as u64) as usize);
+        registration.expect_blocks(spec::block_bytes(&decoder.spec, b) as usize);
 
         // The Push streams to the decoder, fed as blocks arrive.
         let open = PushOpen {
@@ -172,6 +172,8 @@ impl Bridge {
             "spec_fingerprint": decoder.spec.spec_fingerprint,
             "block_tokens": b,
             "first_block": first_block,
+            // A recurrent state after a block scans every block before it: the plugin runs them all.
+            "from_block": if spec::has_snapshots(&decoder.spec) { 0 } else { first_block },
             "num_blocks": num_blocks,
             "tail_tokens": tail_tokens,
         });

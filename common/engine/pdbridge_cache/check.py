@@ -2,8 +2,10 @@
 
 The decoder prefills a prompt natively (mlx-lm's `generate_step`, its chunking, its cache classes)
 while each layer's input is recorded; the cache path rebuilt from the decoder's bundle (what the
-prefill plugin runs) then reconstructs every block from those same inputs, and each tensor is
-compared with the decoder's cache. Used by the tests and by `bench/models.py`.
+prefill plugin runs) then reconstructs every block — and the partial one after them, as a prompt's
+tail — from those same inputs, and each tensor is compared with the decoder's cache: rows with the
+native cache's rows, a recurrent layer's state with the state of a native prefill that ends where
+the block ends. Used by the tests and by `bench/models.py`.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import numpy as np
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
-from .kinds import TOKEN_AXIS, codec_for
+from .kinds import ROWS, TOKEN_AXIS, codec_for
 from .layers import CachePath
 
 
@@ -76,17 +78,26 @@ class Conformance:
 
 def same_input(model: Any, cache_path: CachePath, tokens: list[int], block_tokens: int,
                prefill_step_size: int, kv_args: dict) -> Conformance:
-    """Reconstructs every whole block of `tokens` from the decoder's own layer inputs with
-    `cache_path` and compares each tensor with the decoder's native cache (where that cache still
-    holds the block: a sliding window keeps only its last rows)."""
+    """Reconstructs every block of `tokens` (the last one partial, if the length says so) from the
+    decoder's own layer inputs with `cache_path` and compares each tensor with the decoder's native
+    cache: rows where that cache still holds them (a sliding window keeps only its last rows), a
+    state with the native state after the block's last token."""
     cache, hidden = native_prefill(model, tokens, prefill_step_size, kv_args)
-    native = [codec_for(c).rows(c) for c in cache]
+    native = [codec_for(c).tensors(c) for c in cache]
     result = Conformance()
     processed = hidden[0].shape[0]
-    for b in range(processed // block_tokens):
-        lo, hi = b * block_tokens, (b + 1) * block_tokens
+    states = cache_path.new_states()
+    for lo in range(0, processed, block_tokens):
+        hi = min(lo + block_tokens, processed)
         block_inputs = mx.stack([hidden[layer][lo:hi] for layer in cache_path.layers], axis=1)
-        for layer, name, got in cache_path.block(block_inputs, lo):
+        native_states = None
+        for layer, name, got in cache_path.block(block_inputs, lo, states=states):
+            if codec_for(cache[layer]).kind != ROWS:
+                if native_states is None:  # the decoder's own state after tokens [0, hi)
+                    ended = native_prefill(model, tokens[:hi], prefill_step_size, kv_args)[0]
+                    native_states = [codec_for(c).tensors(c) for c in ended]
+                result.add(got, native_states[layer][name])
+                continue
             want = native[layer][name]
             first = cache[layer].offset - want.shape[TOKEN_AXIS]  # the first token the cache still holds
             if lo >= first:

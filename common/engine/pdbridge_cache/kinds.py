@@ -1,10 +1,12 @@
 """Cache kinds: what a store block holds for one layer, per mlx-lm cache class.
 
-Each codec knows one of the decoder's cache classes and nothing else: which tensors a block holds
-(`rows`: every tensor of the cache, token axis 2, in temporal order), how to make an empty cache
-of the same class and parameters (`fresh`, what reconstruction feeds), and how to rebuild the
-decoder's cache from the rows of tokens [0, n) (`restore`). A new cache class is one more codec
-here; the decoder adapter, the vLLM plugin and the tests all go through `codec_for`.
+Each codec knows one of the decoder's cache classes and nothing else: its kind (`ROWS`: one row
+per token, token axis 2; `SNAPSHOT`: a recurrent state), the tensors a cache holds (`tensors`:
+for rows, every token's in temporal order; for a state, its arrays), how to make an empty cache
+of the same class and parameters (`fresh`, what reconstruction feeds), how a restore joins the
+blocks' tensors (`join`: rows concatenate, a state is the last block's) and how the decoder's cache
+is rebuilt after tokens [0, n) (`restore`). A new cache class is one more codec here; the decoder
+adapter, the vLLM plugin and the tests all go through `codec_for`.
 
 A layer whose class has no codec is described as unsupported, with the reason; prefilld then
 refuses to bridge the model at the handshake, naming the layer (verdict native, never a wrong
@@ -16,11 +18,12 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache, make_prompt_cache
 
 from .safetensors_io import dtype_name
 
 ROWS = "rows"  # a block holds its tokens' rows of every tensor
+SNAPSHOT = "snapshot"  # a block holds the layer's recurrent state after its last token
 UNSUPPORTED = "unsupported"  # the layer cannot be bridged; the spec says why
 TOKEN_AXIS = 2  # [batch, heads, tokens, width] in every mlx-lm attention cache
 
@@ -29,7 +32,17 @@ class UnsupportedCache(Exception):
     """The layer's cache has no codec; the message is the reason the spec publishes."""
 
 
-class _Plain:
+class _Rows:
+    """What every per-token cache shares: a restore concatenates the blocks' rows."""
+
+    kind = ROWS
+
+    @staticmethod
+    def join(parts: list[mx.array], n: int) -> mx.array:
+        return mx.concatenate(parts, axis=TOKEN_AXIS)[..., :n, :]
+
+
+class _Plain(_Rows):
     """KVCache: keys and values, one row per token."""
 
     def params(self, cache: KVCache) -> dict:
@@ -38,7 +51,7 @@ class _Plain:
     def fresh(self, cache: KVCache) -> KVCache:
         return KVCache()
 
-    def rows(self, cache: KVCache) -> dict[str, mx.array]:
+    def tensors(self, cache: KVCache) -> dict[str, mx.array]:
         n = cache.offset
         return {"keys": cache.keys[..., :n, :], "values": cache.values[..., :n, :]}
 
@@ -49,7 +62,7 @@ class _Plain:
         return cache
 
 
-class _Quantized:
+class _Quantized(_Rows):
     """QuantizedKVCache: per token, packed uint32 codes plus per-group scales and biases (MLX affine
     quantization along the head width), for keys and for values."""
 
@@ -61,7 +74,7 @@ class _Quantized:
     def fresh(self, cache: QuantizedKVCache) -> QuantizedKVCache:
         return QuantizedKVCache(group_size=cache.group_size, bits=cache.bits)
 
-    def rows(self, cache: QuantizedKVCache) -> dict[str, mx.array]:
+    def tensors(self, cache: QuantizedKVCache) -> dict[str, mx.array]:
         n = cache.offset
         parts = [a[..., :n, :] for a in (*cache.keys, *cache.values)]
         return dict(zip(self.names, parts))
@@ -73,7 +86,7 @@ class _Quantized:
         return cache
 
 
-class _Rotating:
+class _Rotating(_Rows):
     """RotatingKVCache (sliding window): blocks hold every token's rows, so the window can be rebuilt
     at any block boundary; the decoder keeps the first `keep` rows and the last `max_size - keep`."""
 
@@ -83,7 +96,7 @@ class _Rotating:
     def fresh(self, cache: RotatingKVCache) -> RotatingKVCache:
         return RotatingKVCache(max_size=cache.max_size, keep=cache.keep)
 
-    def rows(self, cache: RotatingKVCache) -> dict[str, mx.array]:
+    def tensors(self, cache: RotatingKVCache) -> dict[str, mx.array]:
         keys, values, offset, keep, _, idx = cache.state
 
         def temporal(v: mx.array) -> mx.array:  # as RotatingKVCache orders its buffer
@@ -109,11 +122,39 @@ class _Rotating:
         return cache
 
 
+class _Recurrent:
+    """ArraysCache of a recurrent layer (gated delta-net, SSM): arrays every token updates — a scan
+    over the whole prefix, not rows. A block holds them after its last token (`state0`, `state1`, …,
+    whole), so a cache restores at any block boundary; mlx-lm cannot rewind one, so a state is only
+    ever used at the very position it was taken at."""
+
+    kind = SNAPSHOT
+
+    def params(self, cache: ArraysCache) -> dict:
+        return {}
+
+    def fresh(self, cache: ArraysCache) -> ArraysCache:
+        return ArraysCache(len(cache.cache))
+
+    def tensors(self, cache: ArraysCache) -> dict[str, mx.array]:
+        return {f"state{i}": a for i, a in enumerate(cache.cache)}
+
+    @staticmethod
+    def join(parts: list[mx.array], n: int) -> mx.array:
+        return parts[-1]
+
+    def restore(self, template: ArraysCache, tensors: dict[str, mx.array], n: int) -> ArraysCache:
+        cache = self.fresh(template)
+        cache.cache = [tensors[f"state{i}"] for i in range(len(template.cache))]
+        return cache
+
+
 # Exact classes only: a subclass may store something else.
-_CODECS: dict[type, Any] = {KVCache: _Plain(), QuantizedKVCache: _Quantized(), RotatingKVCache: _Rotating()}
+_CODECS: dict[type, Any] = {
+    KVCache: _Plain(), QuantizedKVCache: _Quantized(), RotatingKVCache: _Rotating(), ArraysCache: _Recurrent(),
+}
 
 _WHY_NOT = {
-    "ArraysCache": "recurrent state (a scan over every earlier token, not per-token rows)",
     "CacheList": "a list of sub-caches per layer",
     "ChunkedKVCache": "chunked attention cache",
 }
@@ -138,11 +179,13 @@ def describe(index: int, cache: Any) -> dict:
     except UnsupportedCache as e:
         return {**spec, "kind": UNSUPPORTED, "unsupported_reason": str(e)}
     tensors = []
-    for name, rows in codec.rows(cache).items():
-        shape = list(rows.shape)
-        shape[TOKEN_AXIS] = 1
-        tensors.append({"name": name, "dtype": dtype_name(rows.dtype), "shape": shape, "token_axis": TOKEN_AXIS})
-    return {**spec, **codec.params(cache), "kind": ROWS, "unsupported_reason": "", "tensors": tensors}
+    for name, array in codec.tensors(cache).items():
+        shape = list(array.shape)
+        if codec.kind == ROWS:
+            shape[TOKEN_AXIS] = 1
+        axis = TOKEN_AXIS if codec.kind == ROWS else 0  # a state's tensors have no token axis
+        tensors.append({"name": name, "dtype": dtype_name(array.dtype), "shape": shape, "token_axis": axis})
+    return {**spec, **codec.params(cache), "kind": codec.kind, "unsupported_reason": "", "tensors": tensors}
 
 
 def decoder_caches(model: Any, kv_bits: int | None, kv_group_size: int) -> list:
@@ -158,6 +201,11 @@ def decoder_caches(model: Any, kv_bits: int | None, kv_group_size: int) -> list:
     return caches
 
 
-def restore(templates: list, rows: list[dict[str, mx.array]], n: int) -> list:
-    """The decoder's caches after tokens [0, n), from each layer's rows of those tokens."""
-    return [codec_for(t).restore(t, r, n) for t, r in zip(templates, rows)]
+def restore(templates: list, parts: list[dict[str, list[mx.array]]], n: int) -> list:
+    """The decoder's caches after tokens [0, n), from each layer's tensors of consecutive blocks
+    starting at token 0 (rows past n are dropped; a state must be the one taken at n)."""
+    caches = []
+    for template, layer in zip(templates, parts):
+        codec = codec_for(template)
+        caches.append(codec.restore(template, {name: codec.join(p, n) for name, p in layer.items()}, n))
+    return caches

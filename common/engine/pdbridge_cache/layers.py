@@ -6,7 +6,9 @@ RoPE) to ``cache.update_and_fetch``. `CachePath` calls the same two modules on a
 recording cache in that place: the recorder gives k and v to an empty instance of the decoder's own
 cache class (so a QuantizedKVCache quantizes exactly as the decoder's does) and then aborts the
 attention, so queries, SDPA and the output projection never run (MLX is lazy: the query path is
-never even evaluated). No architecture's math is ported here: a model mlx-lm runs, this runs.
+never even evaluated). A recurrent layer (``linear_attn``, e.g. a gated delta-net) runs whole on
+its block with the request's state so far, which it advances: its output is never evaluated,
+its state is the block's. No architecture's math is ported here: a model mlx-lm runs, this runs.
 
 The *bundle* carries what that needs: the decoder's config and, per layer, the input norm and the
 attention parameters its cache depends on (found by probing: a parameter group is shipped when
@@ -27,12 +29,14 @@ import mlx.core as mx
 import mlx_lm
 from mlx.utils import tree_flatten, tree_map
 
-from .kinds import codec_for, decoder_caches
+from .kinds import SNAPSHOT, codec_for, decoder_caches
 from .safetensors_io import DTYPE_NAMES, dtype_name
 
 BUNDLE_FORMAT = "pdbridge-bundle-v2"
-# A parameter of layer N's cache path: its input norm or a top-level entry of its attention module.
-_LAYER_PARAM = re.compile(r"(?:^|\.)layers\.(\d+)\.(input_layernorm|self_attn)\.([^.]+)")
+# The module of a decoder block that writes its cache: attention, or a recurrent layer's.
+_ATTENTION, _RECURRENT = "self_attn", "linear_attn"
+# A parameter of layer N's cache path: its input norm or a top-level entry of that module.
+_LAYER_PARAM = re.compile(r"(?:^|\.)layers\.(\d+)\.(input_layernorm|self_attn|linear_attn)\.([^.]+)")
 # mlx-lm's RoPE modules, by the rope type a HF config names (what vLLM applies).
 _ROPE_KIND = {
     "Llama3RoPE": "llama3",
@@ -106,48 +110,83 @@ class CachePath:
         self.dtype = dtype
         self.layers = list(layers) if layers is not None else list(range(len(templates)))
 
-    def layer_rows(self, layer: int, hidden: mx.array, offset: int) -> dict[str, mx.array]:
-        """The rows layer `layer` caches for `hidden` = its input [1, T, hidden] at positions
-        offset..offset+T (lazy; evaluate them together)."""
+    def is_recurrent(self, layer: int) -> bool:
+        return codec_for(self.templates[layer]).kind == SNAPSHOT
+
+    @property
+    def recurrent(self) -> bool:
+        """Whether a block's tensors depend on every block before it (a layer keeps a state)."""
+        return any(self.is_recurrent(layer) for layer in self.layers)
+
+    def _module(self, layer: int) -> Any:
+        block = self.model.layers[layer]
+        name = _RECURRENT if self.is_recurrent(layer) else _ATTENTION
+        module = getattr(block, name, None)
+        if module is None:
+            raise RuntimeError(f"layer {layer}: the decoder's block has no {name} module for its "
+                               f"{type(self.templates[layer]).__name__}")
+        return module
+
+    def layer_tensors(self, layer: int, hidden: mx.array, offset: int, state: Any = None) -> dict[str, mx.array]:
+        """The tensors layer `layer` caches for `hidden` = its input [1, T, hidden] at positions
+        offset..offset+T (lazy; evaluate them together). A recurrent layer continues from `state`
+        (its cache after the tokens before `offset`; None at 0), which it advances."""
         block = self.model.layers[layer]
         template = self.templates[layer]
         codec = codec_for(template)
+        x = block.input_layernorm(hidden.astype(self.dtype))
+        if codec.kind == SNAPSHOT:
+            state = state if state is not None else codec.fresh(template)
+            self._module(layer)(x, None, state)
+            return codec.tensors(state)
         inner = codec.fresh(template)
         try:
-            block.self_attn(block.input_layernorm(hidden.astype(self.dtype)), mask=None,
-                            cache=_Recorder(inner, offset))
+            self._module(layer)(x, mask=None, cache=_Recorder(inner, offset))
         except _Recorded:
-            return codec.rows(inner)
+            return codec.tensors(inner)
         raise RuntimeError(f"layer {layer}: the attention module never wrote its cache")
 
-    def block(self, hidden: Any, offset: int, streams: list | None = None) -> list[tuple[int, str, mx.array]]:
-        """Every layer's rows for a block. `hidden`: [T, len(self.layers), hidden] (numpy or MLX),
-        the inputs of `self.layers` in order. Layers are spread round-robin over `streams` (on CPU
-        each has its own thread); a layer's ops all run on one stream, so its bits do not depend
-        on the stream count. One `mx.eval` for the whole block."""
+    def new_states(self) -> dict[int, Any]:
+        """Empty states of the recurrent layers, for a request's first block."""
+        return {layer: codec_for(self.templates[layer]).fresh(self.templates[layer])
+                for layer in self.layers if self.is_recurrent(layer)}
+
+    def block(self, hidden: Any, offset: int, streams: list | None = None, states: dict[int, Any] | None = None,
+              only_states: bool = False) -> list[tuple[int, str, mx.array]]:
+        """Every layer's tensors for a block. `hidden`: [T, len(self.layers), hidden] (numpy or
+        MLX), the inputs of `self.layers` in order. `states`: the recurrent layers' states after
+        the blocks before this one (`new_states()` before the first), advanced in place; blocks of
+        a request must come in order. `only_states`: a block the decoder already has, run only to
+        advance the states (nothing returned). Layers are spread round-robin over `streams` (on
+        CPU each has its own thread); a layer's ops all run on one stream, so its bits do not
+        depend on the stream count. One `mx.eval` for the whole block."""
         streams = streams or [mx.default_stream(mx.default_device())]
+        states = states if states is not None else self.new_states()
         out = []
         for j, layer in enumerate(self.layers):
+            if only_states and layer not in states:
+                continue
             with mx.stream(streams[j % len(streams)]):
-                rows = self.layer_rows(layer, mx.array(hidden[None, :, j, :]), offset)
-            out += [(layer, name, a) for name, a in rows.items()]
+                tensors = self.layer_tensors(layer, mx.array(hidden[None, :, j, :]), offset, states.get(layer))
+            out += [(layer, name, a) for name, a in tensors.items()]
         mx.eval([a for _, _, a in out])
-        return out
+        return [] if only_states else out
 
     # ---- the decoder's side: what the bundle must carry ----------------------------------------
 
     def needed_params(self) -> list[tuple[str, mx.array]]:
-        """Input norms and the attention parameters each layer's cache depends on, by name."""
+        """Input norms and the parameters of the module that writes each layer's cache (attention
+        or recurrent) that the cache depends on, by name."""
         needed: dict[int, set[str]] = {}
         for layer in self.layers:
-            attention = self.model.layers[layer].self_attn
+            module = self._module(layer)
             probe = mx.random.normal((1, 2, self.hidden_size), key=mx.random.key(layer))
-            baseline = self.layer_rows(layer, probe, 0)
+            baseline = self.layer_tensors(layer, probe, 0)
             needed[layer] = set()
-            for key, value in attention.parameters().items():
-                attention.update({key: tree_map(mx.zeros_like, value)})
-                changed = self.layer_rows(layer, probe, 0)
-                attention.update({key: value})
+            for key, value in module.parameters().items():
+                module.update({key: tree_map(mx.zeros_like, value)})
+                changed = self.layer_tensors(layer, probe, 0)
+                module.update({key: value})
                 if any(not mx.array_equal(baseline[n], changed[n]).item() for n in baseline):
                     needed[layer].add(key)
         out = []

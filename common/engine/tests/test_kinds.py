@@ -5,6 +5,7 @@ reconstructed rows generates exactly what the decoder generates natively."""
 
 from __future__ import annotations
 
+import re
 import sys
 import tempfile
 import unittest
@@ -15,7 +16,7 @@ sys.path.insert(0, str(REPO / "decoded" / "engine"))
 
 import mlx.core as mx  # noqa: E402
 from mlx_lm.generate import generate_step  # noqa: E402
-from mlx_lm.models.cache import ArraysCache, make_prompt_cache  # noqa: E402
+from mlx_lm.models.cache import CacheList, KVCache, make_prompt_cache  # noqa: E402
 
 from pdbridge_cache import kinds  # noqa: E402
 from pdbridge_cache.check import native_prefill, same_input  # noqa: E402
@@ -60,7 +61,7 @@ class CacheKindsTest(unittest.TestCase):
                 path = CachePath.from_bundle(str(engine.bundle_path))
                 result = same_input(engine.model, path, self.tokens, BLOCK, STEP, engine.kv_args)
                 per_block = len(layer["tensors"]) * engine.num_layers
-                self.assertEqual(result.tensors_total, 5 * per_block)
+                self.assertEqual(result.tensors_total, 6 * per_block)  # 5 blocks and the 17-token rest
                 self.assertEqual(result.tensors_exact, result.tensors_total, result)
 
     def test_a_restored_cache_generates_what_the_decoder_generates(self):
@@ -69,7 +70,7 @@ class CacheKindsTest(unittest.TestCase):
                 engine = self.engine(dtype, bits, 32)
                 native, _ = native_prefill(engine.model, self.tokens, STEP, engine.kv_args)
                 n = 3 * BLOCK
-                rows = [{k: a[..., :n, :] for k, a in kinds.codec_for(c).rows(c).items()} for c in native]
+                rows = [{k: [a] for k, a in kinds.codec_for(c).tensors(c).items()} for c in native]
                 restored = kinds.restore(engine.templates, rows, n)
 
                 def greedy(cache, tokens):
@@ -108,8 +109,7 @@ class CacheKindsTest(unittest.TestCase):
                     block = mx.stack([h[b * BLOCK:(b + 1) * BLOCK] for h in hidden], axis=1)
                     for layer, name, array in path.block(block, b * BLOCK):
                         rows[layer].setdefault(name, []).append(array)
-                joined = [{k: mx.concatenate(v, axis=kinds.TOKEN_AXIS) for k, v in r.items()} for r in rows]
-                restored = kinds.restore(engine.templates, joined, n)
+                restored = kinds.restore(engine.templates, rows, n)
 
                 def greedy(cache, tokens):
                     steps = generate_step(mx.array(tokens), engine.model, prompt_cache=cache, max_tokens=12,
@@ -135,11 +135,48 @@ class CacheKindsTest(unittest.TestCase):
             rope = effective_rope(model.layers[0].self_attn, args.rope_theta, args.rope_scaling)
             self.assertEqual((rope["kind"], rope["base"]), (kind, 5e5), config)
 
+    def test_a_recurrent_state_is_the_decoders_at_every_block_end_and_at_the_tail(self):
+        """Qwen3-Next: gated delta-net layers (ArraysCache: a conv state and an fp32 state matrix)
+        beside a full-attention layer. Reconstructed block by block with the state carried, each
+        block's state equals the state of a native prefill ending there — five block ends and the
+        prompt's tail, which ends at prompt[:-1] — and the attention rows the native rows. The
+        bundle ships only what the states and rows depend on. Restored from those blocks and the
+        tail, the cache answers as the decoder does."""
+        engine = self.engine(mx.float32, model=MODELS / "tiny-qwen3_next-mlx")
+        layers = [(l["cache_class"], l["kind"]) for l in engine.spec["layers"]]
+        self.assertEqual(layers, [("ArraysCache", kinds.SNAPSHOT)] * 3 + [("KVCache", kinds.ROWS)])
+        self.assertEqual([t["shape"] for t in engine.spec["layers"][0]["tensors"]], [[1, 3, 1024], [1, 4, 128, 128]])
+        shipped = {re.sub(r"^.*layers\.\d+\.", "", name).rsplit(".", 1)[0] for name in mx.load(str(engine.bundle_path))}
+        self.assertEqual(shipped, {"input_layernorm", "linear_attn.in_proj_qkvz", "linear_attn.in_proj_ba",
+                                   "linear_attn.conv1d", "linear_attn", "self_attn.k_proj", "self_attn.v_proj",
+                                   "self_attn.k_norm"})
+        path = CachePath.from_bundle(str(engine.bundle_path))
+        prompt = self.tokens[:-1]  # what a bridge covers: 5 whole blocks and a 16-token tail
+        result = same_input(engine.model, path, prompt, BLOCK, STEP, engine.kv_args)
+        self.assertEqual(result.tensors_total, 6 * (3 * 2 + 2))
+        self.assertEqual(result.tensors_exact, result.tensors_total, result)
+
+        _, hidden = native_prefill(engine.model, prompt, STEP, engine.kv_args)
+        parts: list[dict[str, list]] = [{} for _ in hidden]
+        states = path.new_states()
+        for lo in range(0, len(prompt), BLOCK):
+            block = mx.stack([h[lo:lo + BLOCK] for h in hidden], axis=1)
+            for layer, name, array in path.block(block, lo, states=states):
+                parts[layer].setdefault(name, []).append(array)
+        restored = kinds.restore(engine.templates, parts, len(prompt))
+
+        def greedy(cache, tokens):
+            steps = generate_step(mx.array(tokens), engine.model, prompt_cache=cache, max_tokens=12,
+                                  prefill_step_size=STEP)
+            return [int(t) for t, _ in steps]
+
+        self.assertEqual(greedy(restored, self.tokens[-1:]), greedy(make_prompt_cache(engine.model), self.tokens))
+
     def test_a_cache_without_a_codec_is_described_as_unsupported(self):
-        cache = ArraysCache(2)
+        cache = CacheList(KVCache(), KVCache())
         layer = kinds.describe(3, cache)
         self.assertEqual((layer["kind"], layer["index"], layer["tensors"]), (kinds.UNSUPPORTED, 3, []))
-        self.assertIn("recurrent state", layer["unsupported_reason"])
+        self.assertIn("sub-caches", layer["unsupported_reason"])
         with self.assertRaises(kinds.UnsupportedCache):
             kinds.codec_for(cache)
 

@@ -104,7 +104,9 @@ class Engine:
 
         layer_specs = self._probe_cache(kinds.decoder_caches(self.model, kv_bits, kv_group_size))
         self.spec = self._make_spec(model_id or self.model_dir.name, layer_specs)
-        bridged = [l["index"] for l in layer_specs if l["kind"] == kinds.ROWS]
+        bridged = [l["index"] for l in layer_specs if l["kind"] != kinds.UNSUPPORTED]
+        # A recurrent state cannot be rewound: no stored block may end with a prompt's last token.
+        self.recurrent = any(l["kind"] == kinds.SNAPSHOT for l in layer_specs)
         self.cache_path = CachePath(self.model, self.templates, dtype, bridged)
         params = self.cache_path.needed_params()
         bundle_bytes = serialize(params, self.cache_path.bundle_metadata(self.config, kv_bits or 0, kv_group_size))
@@ -133,7 +135,7 @@ class Engine:
         if max_batch > 1 and not self.can_batch:
             log.warning("caches %s cannot be batched by mlx-lm: generations run one at a time", classes)
         for l in layer_specs:
-            if l["kind"] != kinds.ROWS:
+            if l["kind"] == kinds.UNSUPPORTED:
                 log.warning("layer %d cannot be bridged: %s", l["index"], l["unsupported_reason"])
 
     # ------------------------------------------------------------------ startup
@@ -289,26 +291,38 @@ class Engine:
 
         start = time.perf_counter()
         cache = make_prompt_cache(self.model)
-        if n:
-            # The whole prompt, as a native generation of it would prefill it;
-            # max_tokens=0 stops right after the last prompt token is processed.
+        # A recurrent layer's state after each block: the prompt is prefilled block by block (the
+        # state comes out the same whatever the chunking), its rows as a native generation would.
+        chunks = [tokens[i * block_tokens:(i + 1) * block_tokens] for i in range(n)] if self.recurrent else [tokens]
+        states: list[dict[int, dict[str, mx.array]]] = []
+        for chunk in chunks if n else []:
+            # max_tokens=0 stops right after the chunk's last token is processed.
             for _ in generate_step(
-                mx.array(tokens), self.model, prompt_cache=cache,
+                mx.array(chunk), self.model, prompt_cache=cache,
                 max_tokens=0, prefill_step_size=PREFILL_STEP_SIZE, **self.kv_args,
             ):
                 pass
+            states.append({layer: kinds.codec_for(c).tensors(c) for layer, c in enumerate(cache)
+                           if kinds.codec_for(c).kind == kinds.SNAPSHOT})
         prefill_ms = ms(start)
 
         t_write = time.perf_counter()
-        rows = [kinds.codec_for(c).rows(c) for c in cache] if n else []
-        for layer, r in enumerate(rows):
-            if any(a.shape[kinds.TOKEN_AXIS] != len(tokens) for a in r.values()):
+        prefilled = sum(len(c) for c in chunks) if n else 0
+        rows = {layer: kinds.codec_for(c).tensors(c) for layer, c in enumerate(cache)
+                if n and kinds.codec_for(c).kind == kinds.ROWS}
+        for layer, r in rows.items():
+            if any(a.shape[kinds.TOKEN_AXIS] != prefilled for a in r.values()):
                 raise BadRequest(f"layer {layer}'s {type(cache[layer]).__name__} no longer holds every "
                                  "prompt token; its blocks cannot be exported")
         files = []
         for i in range(n):
             lo, hi = i * block_tokens, (i + 1) * block_tokens
-            tensors = [(f"{layer}.{name}", a[..., lo:hi, :]) for layer, r in enumerate(rows) for name, a in r.items()]
+            state = states[i if self.recurrent else 0]
+            tensors = sorted(
+                [(f"{layer}.{name}", a[..., lo:hi, :]) for layer, r in rows.items() for name, a in r.items()]
+                + [(f"{layer}.{name}", a) for layer, t in state.items() for name, a in t.items()],
+                key=lambda named: int(named[0].split(".")[0]),
+            )
             metadata = {
                 "format": BLOCK_FORMAT,
                 "pdb_block": str(i),
@@ -339,6 +353,10 @@ class Engine:
         files = [(path, tokens[i * B:(i + 1) * B]) for i, path in enumerate(paths)]
         if tail is not None:
             files.append((tail, tokens[len(paths) * B:len(tokens) - 1]))
+        covered = sum(len(ids) for _, ids in files)
+        if self.recurrent and covered > len(tokens) - 1:
+            raise BadRequest(f"blocks cover {covered} of {len(tokens)} tokens: a recurrent state cannot be "
+                             "rewound, so they must end before the prompt's last token")
         for i, (path, ids) in enumerate(files):
             arrays = self._read_block(i, path, ids, spec_fp)
             for name, a in arrays.items():
@@ -346,12 +364,8 @@ class Engine:
                 parts[int(layer)].setdefault(tensor, []).append(a)
         # The model must process at least the last prompt token itself: that step yields the
         # first logits.
-        cached = min(sum(len(ids) for _, ids in files), len(tokens) - 1)
-        rows = [
-            {t: mx.concatenate(p, axis=kinds.TOKEN_AXIS)[..., :cached, :] for t, p in layer.items()}
-            for layer in parts
-        ]
-        cache = kinds.restore(self.templates, rows, cached)
+        cached = min(covered, len(tokens) - 1)
+        cache = kinds.restore(self.templates, parts, cached)
         mx.eval([c.state for c in cache])
         return cache, cached
 
@@ -377,8 +391,13 @@ class Engine:
         if "pdb_token_ids" in meta and meta["pdb_token_ids"] != ",".join(map(str, block_ids)):
             start = index * self.block_tokens
             raise BadRequest(f"{where}: holds other tokens than the prompt's tokens {start}..{start + B}")
+        def shape(layer: dict, t: dict) -> tuple:
+            if layer["kind"] == kinds.SNAPSHOT:  # a state: the same shape whatever the rows
+                return tuple(t["shape"])
+            return tuple(B if i == t["token_axis"] else d for i, d in enumerate(t["shape"]))
+
         expected = {
-            f"{layer['index']}.{t['name']}": (t["dtype"], tuple(B if i == t["token_axis"] else d for i, d in enumerate(t["shape"])))
+            f"{layer['index']}.{t['name']}": (t["dtype"], shape(layer, t))
             for layer in self.spec["layers"]
             for t in layer["tensors"]
         }

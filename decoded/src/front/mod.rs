@@ -31,6 +31,7 @@ use axum::{
 };
 use pdbridge_common::{
     block::{self, BlockKey},
+    spec,
     proto::outcome::Status as OutcomeStatus,
     reason::Reason,
     telemetry,
@@ -221,7 +222,7 @@ impl Front {
             info.spec.max_context,
         )?;
         let b = info.spec.block_tokens as usize;
-        let keys = block::keys(&info.spec.spec_fingerprint, &tokens, b);
+        let keys = spec::block_keys(&info.spec, &tokens);
         // A block the adapter finds unusable (missing, rotten) is quarantined
         // and the request planned again: bridged anew, or served without it.
         let mut unusable = 0;

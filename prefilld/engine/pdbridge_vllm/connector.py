@@ -14,8 +14,10 @@ Flow, per request that carries ``kv_transfer_params.pdbridge`` (all other reques
 2. Worker side, during the step: ``save_kv_layer`` for the hidden-states layer records the slots
    the drafter wrote this step — the proof that the step's tokens were captured.
 3. Worker side, ``wait_for_save`` (after the target and draft forwards, metadata bound): checks the
-   step's tokens were captured, then, for every block ``b`` in ``[first_block, first_block +
-   num_blocks)`` whose ``block_tokens`` tokens are now all captured, copies their hidden states out of
+   step's tokens were captured, then, for every block ``b`` in ``[from_block, first_block +
+   num_blocks)`` whose ``block_tokens`` tokens are now all captured (``from_block``: ``first_block``,
+   or 0 when the decoder keeps a recurrent state, which the blocks before ``first_block`` only
+   advance), copies their hidden states out of
    the paged cache (float32) and queues them to the streamer thread (`streamer.py`), which computes
    the decoder's cache with the decoder's own mlx-lm modules (`reconstruct.py`) and writes the block to prefilld's unix socket. So
    blocks leave per engine step, as chunked prefill completes them.
@@ -270,7 +272,7 @@ class PdBridgeConnector(ExampleHiddenStatesConnector):
                 self._streamer.submit_error(RequestStream(bad), protocol.BAD_PARAMS, str(e))
             return
         st = _WorkerState(RequestStream(params), prompt_len=new.prompt_len,
-                          next_block=params.first_block)
+                          next_block=params.from_block)
         self._reqs[new.req_id] = st
         needed = params.end_block * params.block_tokens + params.tail_tokens
         if needed > new.prompt_len:

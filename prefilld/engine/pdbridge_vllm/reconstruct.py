@@ -56,12 +56,14 @@ def load(path: str, expected_sha256: str | None) -> CachePath:
         raise BundleError(protocol.BUNDLE_UNREADABLE, f"{path}: {e}") from None
 
 
-def block(path: CachePath, hidden: np.ndarray, offset: int, streams: list | None = None):
+def block(path: CachePath, hidden: np.ndarray, offset: int, streams: list | None = None,
+          states: dict | None = None, only_states: bool = False):
     """One block's tensors for the wire: `hidden` = float32 [T, len(path.layers), hidden] at
-    positions offset..offset+T. Returns (tensor headers, payload parts), layers ascending and each
-    layer's tensors in its codec's order."""
+    positions offset..offset+T; `states` the request's recurrent states, advanced (see
+    `CachePath.block`). Returns (tensor headers, payload parts), layers ascending and each layer's
+    tensors in its codec's order."""
     headers, parts, at = [], [], 0
-    for layer, name, array in path.block(hidden, offset, streams):
+    for layer, name, array in path.block(hidden, offset, streams, states, only_states):
         data = tensor_bytes(array)
         headers.append({"layer": layer, "name": name, "dtype": dtype_name(array.dtype),
                         "shape": list(array.shape), "offset": at, "nbytes": len(data)})

@@ -43,6 +43,10 @@ class BridgeParams:
     # Rows after the last block (the prompt's tail, all but its last token), sent as block
     # `end_block` for the one request that asked; never a stored block.
     tail_tokens: int = 0
+    # The first block whose hidden states are captured: `first_block`, or 0 for a decoder with a
+    # recurrent layer, whose state after a block scans every block before it. Blocks before
+    # `first_block` (the decoder has them) only advance the state; they are not sent.
+    from_block: int | None = None
 
     @classmethod
     def parse(cls, raw: Any) -> BridgeParams:
@@ -59,11 +63,14 @@ class BridgeParams:
                 first_block=int(raw["first_block"]),
                 num_blocks=int(raw["num_blocks"]),
                 tail_tokens=int(raw.get("tail_tokens") or 0),
+                from_block=int(raw.get("from_block", raw["first_block"])),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"bad pdbridge params: {e!r}") from None
         if p.block_tokens <= 0 or p.first_block < 0 or p.num_blocks < 0:
             raise ValueError("block_tokens must be > 0, first_block and num_blocks >= 0")
+        if not 0 <= p.from_block <= p.first_block:
+            raise ValueError("from_block must be in [0, first_block]")
         if not 0 <= p.tail_tokens < p.block_tokens:
             raise ValueError("tail_tokens must be in [0, block_tokens)")
         return p
@@ -83,6 +90,8 @@ class RequestStream:
     reconstruct_ms: float = 0.0  # streamer: MLX time
     send_ms: float = 0.0  # streamer: socket time
     blocks_emitted: int = 0
+    # The decoder's recurrent layers' states after the blocks reconstructed so far (streamer).
+    states: dict | None = None
     failed: bool = False
     closed: bool = False
     sock: socket.socket | None = field(default=None, repr=False)
@@ -262,15 +271,22 @@ class Streamer:
                        f"captured hidden size {hidden.shape[2]} != the decoder's {path.hidden_size}")
             return
         cols = [self._capture_layer_ids.index(lay) for lay in path.layers]
+        if stream.states is None:
+            stream.states = path.new_states()
+        # A block the decoder already has: reconstructed only to carry the state on.
+        known = block_index < stream.params.first_block
         t0 = time.perf_counter()
         try:
             tensors, payload = reconstruct.block(path, hidden[:, cols, :],
                                                  offset=block_index * stream.params.block_tokens,
-                                                 streams=self._streams())
+                                                 streams=self._streams(), states=stream.states,
+                                                 only_states=known)
         except Exception as e:
             self._fail(stream, protocol.RECONSTRUCT_FAILED, f"block {block_index}: {e}")
             return
         stream.reconstruct_ms += (time.perf_counter() - t0) * 1e3
+        if known:
+            return
         header = {"type": "block", "request_id": stream.params.request_id,
                   "block_index": block_index, "payload_bytes": sum(t["nbytes"] for t in tensors),
                   "tensors": tensors}

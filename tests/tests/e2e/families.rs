@@ -1,8 +1,9 @@
 //! Model families other than the test model, end to end on the real engines: the decoder's own
 //! mlx-lm modules reconstruct caches with rope scaling, q/k norms, 8-bit weights, a quantized KV
 //! cache, sliding windows (Gemma 3, whose vLLM class gets its capture hooks from the plugin) and
-//! a latent cache (DeepSeek-V3 MLA, vLLM in bf16), and a cache class without a codec is refused at
-//! the handshake with its reason.
+//! a latent cache (DeepSeek-V3 MLA, vLLM in bf16), recurrent states (Qwen3-Next's gated delta-net,
+//! vLLM in bf16; a follow-up turn restores a stored state), and a cache class without a codec is
+//! refused at the handshake with its reason.
 
 use std::time::Duration;
 
@@ -52,6 +53,22 @@ async fn bridges_as_the_decoder_answers(
     assert_eq!(native.cached_tokens(), 0);
     assert!(!native.text().is_empty());
     assert_eq!(native.text(), bridged.text(), "{family}: bridged and native greedy answers differ");
+    if family == "qwen3_next" {
+        // The next turn extends the conversation: its first blocks, recurrent states included,
+        // come from the store; the rest is bridged (prefilld's plugin runs the known blocks only
+        // to carry the state to the new ones) and the answer is the native one.
+        let mut turn = prompt.clone();
+        let messages = turn.as_array_mut().unwrap();
+        messages.push(serde_json::json!({"role": "assistant", "content": bridged.text()}));
+        messages.push(user(&format!("And this one?\n\n{}", &license[2400..3400]))[0].clone());
+        let next = chat(&decoded, &turn, "auto").await;
+        assert_eq!(next.status, 200, "{:?}", next.body);
+        let bridged_now = next.verdict["blocks"].as_u64().unwrap();
+        let whole = (next.prompt_tokens() - 1) / u64::from(BLOCK_TOKENS);
+        assert!(bridged_now > 0 && bridged_now < whole, "{}", next.verdict);
+        assert_eq!(next.cached_tokens(), next.prompt_tokens() - 1, "{}", next.verdict);
+        assert_eq!(next.text(), chat(&decoded, &turn, "native").await.text(), "follow-up turn differs");
+    }
     decoded.terminate();
     decoded.wait(Duration::from_secs(60)).await;
     prefilld
@@ -73,22 +90,26 @@ async fn generated_families_bridge_as_their_decoder_answers() {
     let mut prefilld = bridges_as_the_decoder_answers("deepseek_v3", "", &scratch, None).await;
     prefilld.terminate();
     prefilld.wait(Duration::from_secs(120)).await;
+    // Qwen3-Next: three gated delta-net layers (a recurrent state each) and a full-attention one.
+    let mut prefilld = bridges_as_the_decoder_answers("qwen3_next", "", &scratch, None).await;
+    prefilld.terminate();
+    prefilld.wait(Duration::from_secs(120)).await;
     // Qwen3's per-head q/k norms, 8-bit weights.
-    let recurrent_port = Reserved::new();
-    let prefilld = bridges_as_the_decoder_answers("qwen3", "", &scratch, Some(&recurrent_port)).await;
+    let listed_port = Reserved::new();
+    let prefilld = bridges_as_the_decoder_answers("qwen3", "", &scratch, Some(&listed_port)).await;
 
-    // A decoder whose layer 1 keeps a recurrent state (no codec): prefilld refuses at the
+    // A decoder whose layer 1 keeps a list of caches (no codec): prefilld refuses at the
     // handshake, naming the layer and why, and bridges nothing.
-    let config = fixed_spec_config(&scratch.0.join("recurrent"), &scratch.0.join("recurrent-store"), 16, "");
-    let spec_file = scratch.0.join("recurrent").join("spec.json");
+    let config = fixed_spec_config(&scratch.0.join("listed"), &scratch.0.join("listed-store"), 16, "");
+    let spec_file = scratch.0.join("listed").join("spec.json");
     let mut info: serde_json::Value = serde_json::from_slice(&std::fs::read(&spec_file).unwrap()).unwrap();
     let layer = &mut info["spec"]["layers"][1];
-    layer["cache_class"] = "ArraysCache".into();
+    layer["cache_class"] = "CacheList".into();
     layer["kind"] = "unsupported".into();
     layer["tensors"] = serde_json::json!([]);
-    layer["unsupported_reason"] = "ArraysCache: recurrent state (a scan over every earlier token)".into();
+    layer["unsupported_reason"] = "CacheList: a list of sub-caches per layer".into();
     std::fs::write(&spec_file, info.to_string()).unwrap();
-    let decoder = Daemon::start("decoded", &recurrent_port.release_into(&config)).await;
+    let decoder = Daemon::start("decoded", &listed_port.release_into(&config)).await;
     decoder.wait_ready(Duration::from_secs(60)).await;
     let request =
         PrefillRequest { token_ids: (0..48).collect(), decoder_addr: decoder.grpc_uri(), ..Default::default() };
@@ -104,5 +125,5 @@ async fn generated_families_bridge_as_their_decoder_answers() {
     assert_eq!(outcome.status(), Status::Failed, "{outcome:?}");
     assert_eq!(outcome.blocks_committed, 0);
     assert_eq!(outcome.reason(), pdbridge_common::proto::Reason::UnsupportedModel, "{}", outcome.detail);
-    assert!(outcome.detail.contains("layer 1: ArraysCache: recurrent state"), "{}", outcome.detail);
+    assert!(outcome.detail.contains("layer 1: CacheList: a list of sub-caches"), "{}", outcome.detail);
 }
