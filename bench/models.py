@@ -203,6 +203,7 @@ def run_row(row: Row, args, text: str) -> dict:
             prompts.append(prompt)
             rows_out.append({"tag": prompt["tag"], "prompt_tokens": prompt["prompt_tokens"],
                              "verdict": bridged["verdict"], "same_text": native["text"] == bridged["text"],
+                             "native_ttft_s": native["ttft_s"], "bridged_ttft_s": bridged["ttft_s"],
                              "native_text": native["text"][:120], "bridged_text": bridged["text"][:120]})
             log(f"  {row.family}/{row.cache_dtype} prompt {i}: {prompt['prompt_tokens']} tokens, "
                 f"verdict {bridged['verdict']['outcome']}, same text {rows_out[-1]['same_text']}")
@@ -257,6 +258,15 @@ def run_row(row: Row, args, text: str) -> dict:
         "wall_s": round(time.monotonic() - started, 1),
         "per_prompt": rows_out,
     })
+    # Where the bridge's time goes: the prefill engine's forward, and the plugin's reconstruction
+    # (for a recurrent state, block after block on one thread), as prefilld reports them.
+    stages = [r["verdict"].get("timings_ms") or {} for r in rows_out]
+    result["timing_s_mean"] = {
+        name: round(sum(t.get(key, 0.0) for t in stages) / n / 1e3, 3)
+        for name, key in (("prefill_engine", "prefill_prefill"), ("reconstruct", "prefill_reconstruct"),
+                          ("bridge", "bridge"))
+    } | {"native_ttft": round(sum(r["native_ttft_s"] for r in rows_out) / n, 3),
+         "bridged_ttft": round(sum(r["bridged_ttft_s"] for r in rows_out) / n, 3)}
     if reference is not None:
         vs = [r["full_precision"] for r in rows_out]
         result["vs_full_precision"] = {

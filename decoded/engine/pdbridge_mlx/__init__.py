@@ -39,8 +39,10 @@ failure is a last line `{"error": "<message>", "kind": "bad_request"|"internal"}
   `tokens`, one file per whole block, `{"blocks": n, "files": [...],
   "timings_ms": {...}}`.
 
-Block file (shared with decoded's store): safetensors, tensors "{layer}.keys"
-and "{layer}.values", each [1, n_kv_heads, B, head_dim] in the cache dtype;
+Block file (shared with decoded's store): safetensors, per layer its codec's
+tensors (pdbridge_cache.kinds): "{layer}.keys" and "{layer}.values", each
+[1, n_kv_heads, B, head_dim] in the cache dtype (more for a quantized KV cache),
+or a recurrent layer's state after the block, "{layer}.state0", "{layer}.state1"…;
 metadata format="pdbridge-block-v1", pdb_block, pdb_tokens, pdb_spec, pdb_key
 (+ pdb_parent, pdb_token_ids as decoded's store writes them).
 
