@@ -242,7 +242,12 @@ mod tests {
     /// small_spec with layer 0 a recurrent layer: a conv state and a state matrix per block.
     pub fn hybrid_spec() -> CacheSpec {
         let mut spec = small_spec();
-        let state = |name: &str, shape: Vec<u64>| TensorSpec { name: name.into(), dtype: Dtype::F32 as i32, shape, token_axis: 0 };
+        let state = |name: &str, shape: Vec<u64>| TensorSpec {
+            name: name.into(),
+            dtype: Dtype::F32 as i32,
+            shape,
+            token_axis: 0,
+        };
         spec.layers[0] = LayerSpec {
             index: 0,
             cache_class: "ArraysCache".into(),

@@ -139,7 +139,9 @@ pub enum TokenizeInput<'a> {
         #[serde(skip_serializing_if = "Option::is_none")]
         tools: Option<&'a serde_json::Value>,
     },
-    Text { prompt: &'a str },
+    Text {
+        prompt: &'a str,
+    },
 }
 
 /// A generation request; `blocks` are store files covering the prompt's start.

@@ -96,7 +96,7 @@ pub fn tools(body: &Value) -> Result<Option<&Value>, InvalidRequest> {
         if tool.get("type").and_then(Value::as_str) != Some("function") {
             return Err(invalid(format!("`tools[{i}].type` must be \"function\"")));
         }
-        if !tool.pointer("/function/name").and_then(Value::as_str).is_some_and(|n| !n.is_empty()) {
+        if tool.pointer("/function/name").and_then(Value::as_str).is_none_or(str::is_empty) {
             return Err(invalid(format!("`tools[{i}].function.name` must be a non-empty string")));
         }
     }
@@ -104,9 +104,7 @@ pub fn tools(body: &Value) -> Result<Option<&Value>, InvalidRequest> {
         None => Ok(Some(tools).filter(|_| !list.is_empty())),
         Some(Value::String(choice)) if choice == "auto" => Ok(Some(tools).filter(|_| !list.is_empty())),
         Some(Value::String(choice)) if choice == "none" => Ok(None),
-        Some(_) => Err(invalid(
-            "`tool_choice` must be \"auto\" or \"none\": this server cannot force a tool call",
-        )),
+        Some(_) => Err(invalid("`tool_choice` must be \"auto\" or \"none\": this server cannot force a tool call")),
     }
 }
 

@@ -31,10 +31,9 @@ use axum::{
 };
 use pdbridge_common::{
     block::{self, BlockKey},
-    spec,
     proto::outcome::Status as OutcomeStatus,
     reason::Reason,
-    telemetry,
+    spec, telemetry,
     tls::Tls,
 };
 use serde_json::{Value, json};
