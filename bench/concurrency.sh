@@ -7,7 +7,5 @@
 # Results: bench/results/concurrency.json; logs in var/bench-concurrency{,-serial}/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup-engines.sh
-.venv/bin/python scripts/prepare-model.py
-cargo build --workspace --bins --locked --release
+source bench/prepare.sh
 exec .venv/bin/python bench/concurrency.py "$@"

@@ -7,8 +7,6 @@
 # Results: bench/results/long_prompts.json; logs in var/bench-long/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup-engines.sh
-.venv/bin/python scripts/prepare-model.py
+source bench/prepare.sh
 .venv/bin/python scripts/make-tiny-model.py --family llama-long
-cargo build --workspace --bins --locked --release
 exec .venv/bin/python bench/long_prompts.py "$@"

@@ -7,7 +7,5 @@
 # Results: bench/results/soak.json; logs in var/bench-soak/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup-engines.sh
-.venv/bin/python scripts/prepare-model.py
-cargo build --workspace --bins --locked --release
+source bench/prepare.sh
 exec .venv/bin/python bench/soak.py "$@"

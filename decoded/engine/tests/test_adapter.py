@@ -49,6 +49,16 @@ def request(path: str, obj: dict | bytes, timeout: float = 600) -> list[dict]:
             return [json.loads(line) for line in f]
 
 
+def stream(path: str, req: dict, on_line) -> None:
+    """A generate request whose reply lines go to `on_line` as they arrive."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.connect(path)
+        s.sendall(json.dumps({"op": "generate", **req}).encode() + b"\n")
+        with s.makefile("rb") as f:
+            for line in f:
+                on_line(json.loads(line))
+
+
 class Adapter:
     """The adapter as decoded runs it: a subprocess that prints a ready line."""
 
@@ -395,13 +405,8 @@ class AdapterTest(unittest.TestCase):
         finished_at = []
 
         def run():
-            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-                s.connect(self.adapter.socket)
-                s.sendall(json.dumps({"op": "generate", "tokens": self.tokens, "max_tokens": 64}).encode() + b"\n")
-                with s.makefile("rb") as f:
-                    for line in f:
-                        first_token.set()
-                finished_at.append(time.monotonic())
+            stream(self.adapter.socket, {"tokens": self.tokens, "max_tokens": 64}, lambda _: first_token.set())
+            finished_at.append(time.monotonic())
 
         worker = threading.Thread(target=run)
         worker.start()
@@ -424,14 +429,12 @@ class AdapterTest(unittest.TestCase):
         answer comes back before the long one ends, and every answer is the one it gets alone."""
         long_lines, long_first = [], threading.Event()
 
+        def on_line(line: dict) -> None:
+            long_lines.append(line)
+            long_first.set()
+
         def long_answer():
-            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-                s.connect(self.adapter.socket)
-                s.sendall(json.dumps({"op": "generate", "tokens": self.tokens, "max_tokens": 48}).encode() + b"\n")
-                with s.makefile("rb") as f:
-                    for line in f:
-                        long_lines.append(json.loads(line))
-                        long_first.set()
+            stream(self.adapter.socket, {"tokens": self.tokens, "max_tokens": 48}, on_line)
 
         worker = threading.Thread(target=long_answer)
         worker.start()
