@@ -68,6 +68,9 @@ impl Validate for Config {
                 tls::check_scheme(key, addr, self.tls.is_some())?;
             }
         }
+        for prefiller in &front.prefillers {
+            tls::check_scheme("front.prefillers.addr", &prefiller.addr, self.tls.is_some())?;
+        }
         self.store.validate()?;
         if self.engine.is_some() && self.spec_file.is_some() {
             return Err(ConfigError::invalid("spec_file", "give either an [engine] or a spec_file, not both"));
@@ -258,6 +261,11 @@ pub struct FrontConfig {
     /// The identity prefilld's certificate must hold (default: the host of
     /// `prefilld`).
     pub prefilld_name: Option<String>,
+    /// Several prefilld instances (`[[front.prefillers]]`, each `addr` and
+    /// optional `name`): a bridge goes to a healthy one with the fewest bridges
+    /// in flight, and what is left of it to another when one fails mid-way.
+    /// `front.prefilld` is the one-instance form; give one or the other.
+    pub prefillers: Vec<PrefillerConfig>,
     /// API keys clients send as `Authorization: Bearer <key>`: a TOML list, or
     /// one comma-separated string (e.g. from `PDB_FRONT__API_KEYS`). With none
     /// here nor in `api_keys_file`, the front door is open to whoever reaches it.
@@ -298,6 +306,7 @@ impl Default for FrontConfig {
             model_name: "smollm2".into(),
             prefilld: None,
             prefilld_name: None,
+            prefillers: Vec::new(),
             api_keys: Vec::new(),
             api_keys_file: None,
             max_body_bytes: 16 << 20,
@@ -365,8 +374,37 @@ impl FrontConfig {
     }
 }
 
+/// One prefilld instance the front door may bridge through.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct PrefillerConfig {
+    /// Its gRPC address (`https://` with `[tls]`).
+    pub addr: String,
+    /// The identity its certificate must hold (default: the host of `addr`).
+    pub name: Option<String>,
+}
+
+impl FrontConfig {
+    /// Every configured prefilld, from `[[front.prefillers]]` or `front.prefilld`.
+    pub fn prefillers(&self) -> Vec<PrefillerConfig> {
+        match &self.prefilld {
+            Some(addr) => vec![PrefillerConfig { addr: addr.clone(), name: self.prefilld_name.clone() }],
+            None => self.prefillers.clone(),
+        }
+    }
+}
+
 impl Validate for FrontConfig {
     fn validate(&self) -> Result<(), ConfigError> {
+        if self.prefilld.is_some() && !self.prefillers.is_empty() {
+            return Err(ConfigError::invalid(
+                "front.prefillers",
+                "give either front.prefilld (one instance) or [[front.prefillers]], not both",
+            ));
+        }
+        if self.prefilld.is_none() && self.prefilld_name.is_some() {
+            return Err(ConfigError::invalid("front.prefilld_name", "names front.prefilld, which is not set"));
+        }
         if self.api_keys_file.is_some() && self.load_api_keys()?.is_empty() {
             return Err(ConfigError::invalid("front.api_keys_file", "holds no key"));
         }
@@ -417,6 +455,26 @@ mod tests {
         }
         let err = parse(&format!("{SERVER}[front]\napi_keys_file = \"/nonexistent/keys\"\n"), &[]).unwrap_err();
         assert!(err.to_string().contains("front.api_keys_file"), "{err}");
+    }
+
+    #[test]
+    fn prefillers_are_one_instance_or_a_list_never_both() {
+        let one =
+            parse(&format!("{SERVER}[front]\nprefilld = \"http://a:7071\"\nprefilld_name = \"prefill-1\"\n"), &[]);
+        let one = one.unwrap().front.prefillers();
+        assert_eq!(one, [PrefillerConfig { addr: "http://a:7071".into(), name: Some("prefill-1".into()) }]);
+        let list = format!(
+            "{SERVER}[[front.prefillers]]\naddr = \"http://a:7071\"\n[[front.prefillers]]\naddr = \"http://b:7071\"\nname = \"prefill-2\"\n"
+        );
+        let many = parse(&list, &[]).unwrap().front.prefillers();
+        assert_eq!(
+            many.iter().map(|p| (p.addr.as_str(), p.name.as_deref())).collect::<Vec<_>>(),
+            [("http://a:7071", None), ("http://b:7071", Some("prefill-2"))]
+        );
+        let both = parse(&format!("{list}[front]\nprefilld = \"http://c:7071\"\n"), &[]).unwrap_err();
+        assert!(both.to_string().contains("front.prefillers"), "{both}");
+        let orphan = parse(&format!("{SERVER}[front]\nprefilld_name = \"prefill-1\"\n"), &[]).unwrap_err();
+        assert!(orphan.to_string().contains("front.prefilld_name"), "{orphan}");
     }
 
     /// Lines a config file may hold: every section and key decoded knows, with

@@ -516,12 +516,29 @@ impl Front {
         }
 
         let started = Instant::now();
-        let bridged = self.prefiller.bridge(tokens, cached as u32).await;
+        // A prefilld that fails mid-way leaves its committed blocks in the store; another takes
+        // the rest, from the first block still missing.
+        let mut failed: Vec<prefiller::BridgeFailure> = Vec::new();
+        let bridged = loop {
+            let tried: Vec<String> = failed.iter().filter_map(|f| f.prefiller.clone()).collect();
+            let from = self.store.longest_prefix(keys) as u32;
+            match self.prefiller.bridge(tokens, from, &tried).await {
+                Err(failure) if failure.another_may_succeed() => {
+                    tracing::warn!(prefiller = failure.prefiller, reason = %failure.reason, detail = failure.detail, "bridge failed on a prefilld; asking another");
+                    failed.push(failure);
+                }
+                // None left to ask: the last one's failure says more than "none is serving".
+                Err(none_left) if none_left.prefiller.is_none() && !failed.is_empty() => {
+                    break Err(failed.pop().expect("not empty"));
+                }
+                other => break other,
+            }
+        };
         let now_cached = self.store.longest_prefix(keys);
         // Why the bridge fell short, if it did: its failure, or prefilld's reason for a partial outcome.
         let shortfall = match &bridged {
             Err(failure) => Some(failure.reason),
-            Ok(outcome) if outcome.status() == OutcomeStatus::Partial => {
+            Ok((_, outcome)) if outcome.status() == OutcomeStatus::Partial => {
                 Some(Reason::from_proto(outcome.reason()).unwrap_or(Reason::TransferFailed))
             }
             Ok(_) => None,
@@ -535,8 +552,21 @@ impl Front {
         }
         let mut plan = shared(plan(outcome, reason, now_cached));
         plan.verdict.timings_ms.insert("bridge".into(), ms(started));
+        // Blocks that landed before a fault still count: the store says which.
+        plan.verdict.blocks = now_cached.saturating_sub(cached) as u32;
+        plan.verdict.bytes = failed.iter().map(|f| f.bytes_sent).sum();
+        plan.verdict.prefillers = failed.iter().filter_map(|f| f.prefiller.clone()).collect();
+        let failovers: Vec<String> = failed
+            .iter()
+            .map(|f| format!("{}: {}: {}", f.prefiller.as_deref().unwrap_or("?"), f.reason, f.detail))
+            .collect();
         match bridged {
-            Ok(outcome) => {
+            Ok((prefiller, outcome)) => {
+                if !failovers.is_empty() {
+                    plan.verdict.detail =
+                        Some(header_safe(&format!("{}; finished by {prefiller}", failovers.join("; "))));
+                }
+                plan.verdict.prefillers.push(prefiller);
                 if outcome.tail_tokens > 0 && now_cached == keys.len() {
                     let start = keys.len() * b;
                     let tail_ids = &tokens[start..start + outcome.tail_tokens as usize];
@@ -545,18 +575,17 @@ impl Front {
                         plan.with_tail(tail, outcome.tail_tokens);
                     }
                 }
-                plan.verdict.blocks = outcome.blocks_committed;
-                plan.verdict.bytes = outcome.bytes;
+                plan.verdict.bytes += outcome.bytes;
                 for (stage, value) in outcome.stage_ms {
                     plan.verdict.timings_ms.insert(format!("prefill_{stage}"), value);
                 }
             }
-            // Blocks that landed before the fault still count: the store
-            // says which, the last progress report how many bytes were sent.
+            // The last progress report says how many bytes were sent.
             Err(failure) => {
-                plan.verdict.detail = Some(header_safe(&failure.detail));
-                plan.verdict.blocks = now_cached.saturating_sub(cached) as u32;
-                plan.verdict.bytes = failure.bytes_sent;
+                let detail = failovers.iter().map(String::as_str).chain([failure.detail.as_str()]).collect::<Vec<_>>();
+                plan.verdict.detail = Some(header_safe(&detail.join("; ")));
+                plan.verdict.bytes += failure.bytes_sent;
+                plan.verdict.prefillers.extend(failure.prefiller);
             }
         }
         Ok(plan)

@@ -55,6 +55,10 @@ pub struct Verdict {
     pub blocks: u32,
     pub block_tokens: u32,
     pub bytes: u64,
+    /// The prefilld instances that worked on this request's bridge, in order (more than one when
+    /// one failed mid-way and another took the rest).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub prefillers: Vec<String>,
     pub timings_ms: BTreeMap<String, f64>,
 }
 
@@ -81,6 +85,7 @@ impl Plan {
             blocks: 0,
             block_tokens: b as u32,
             bytes: 0,
+            prefillers: Vec::new(),
             timings_ms: BTreeMap::new(),
         };
         Plan { verdict, blocks: restored, tail: None }

@@ -30,7 +30,7 @@ impl Answer {
     }
 }
 
-fn chat_url(decoded: &Daemon) -> String {
+pub(crate) fn chat_url(decoded: &Daemon) -> String {
     format!("http://{}/v1/chat/completions", decoded.front.expect("front door"))
 }
 
@@ -38,7 +38,8 @@ pub(crate) async fn chat(decoded: &Daemon, messages: &Value, mode: &str) -> Answ
     chat_at(&chat_url(decoded), messages, mode).await
 }
 
-async fn chat_at(url: &str, messages: &Value, mode: &str) -> Answer {
+/// [`chat`] by URL, for a task that does not hold the daemon.
+pub(crate) async fn chat_at(url: &str, messages: &Value, mode: &str) -> Answer {
     let body = json!({"messages": messages, "max_tokens": 8, "temperature": 0});
     let response = reqwest::Client::new()
         .post(url)

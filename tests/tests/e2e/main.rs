@@ -8,3 +8,4 @@ mod load;
 mod ops;
 mod push;
 mod security;
+mod topology;

@@ -1,0 +1,74 @@
+//! Beyond one prefiller beside one decoder: a decoder bridging through two prefilld instances,
+//! each on real vLLM. Concurrent bridges spread over them by load; when the one bridging a prompt
+//! dies mid-way, the blocks it committed stay and the other bridges the rest, which the verdict
+//! says.
+
+use std::time::Duration;
+
+use pdbridge_tests::{Daemon, Engines, Reserved, Scratch, decoders, license_text};
+
+use crate::bridge::{chat, chat_at, chat_url, user};
+
+const BLOCK_TOKENS: u32 = 64;
+
+#[tokio::test]
+async fn bridges_spread_over_prefillers_and_survive_one_dying_mid_bridge() {
+    let scratch = Scratch::new("prefillers");
+    let engines = Engines::locate();
+    let port = Reserved::new();
+    let decoder = decoders(&[format!("http://{}", port.addr())]);
+    let a = Daemon::start("prefilld", &engines.prefilld_config(&scratch.0.join("a"), &decoder)).await;
+    let b = Daemon::start("prefilld", &engines.prefilld_config(&scratch.0.join("b"), &decoder)).await;
+    let front = format!(
+        "[front]\nlisten = \"127.0.0.1:0\"\nmin_bridge_tokens = {BLOCK_TOKENS}\n\
+         [[front.prefillers]]\naddr = \"http://{}\"\nname = \"prefill-a\"\n\
+         [[front.prefillers]]\naddr = \"http://{}\"\nname = \"prefill-b\"\n",
+        a.grpc, b.grpc
+    );
+    let config = engines.decoded_config(&scratch.0.join("store"), BLOCK_TOKENS, &front);
+    let decoded = Daemon::start("decoded", &port.release_into(&config)).await;
+    decoded.wait_ready(Duration::from_secs(300)).await;
+    a.wait_ready(Duration::from_secs(900)).await;
+    b.wait_ready(Duration::from_secs(900)).await;
+    let license = license_text();
+
+    // Two bridges at once: one on each prefilld.
+    let (first, second) = (user(&license[..1500]), user(&license[1500..3000]));
+    let (one, two) = tokio::join!(chat(&decoded, &first, "auto"), chat(&decoded, &second, "auto"));
+    let mut used: Vec<String> = [&one, &two]
+        .iter()
+        .map(|answer| {
+            assert_eq!(answer.verdict["outcome"], "bridged", "{}", answer.verdict);
+            answer.verdict["prefillers"][0].as_str().unwrap().to_owned()
+        })
+        .collect();
+    used.sort();
+    assert_eq!(used, ["prefill-a", "prefill-b"], "{} / {}", one.verdict, two.verdict);
+
+    // A long prompt goes to prefill-a (both idle: the first listed); it dies once blocks landed.
+    let long = user(&license[3000..]);
+    let committed = decoded.metric("pdbridge_store_blocks").await.unwrap_or(0.0);
+    let asked = tokio::spawn({
+        let (url, messages) = (chat_url(&decoded), long.clone());
+        async move { chat_at(&url, &messages, "auto").await }
+    });
+    decoded
+        .wait_metric_where(
+            "pdbridge_store_blocks",
+            "two more blocks",
+            |blocks| blocks >= committed + 2.0,
+            Duration::from_secs(300),
+        )
+        .await;
+    a.kill();
+    let answer = asked.await.unwrap();
+    assert_eq!(answer.status, 200, "{:?}", answer.body);
+    let verdict = &answer.verdict;
+    assert_eq!(verdict["outcome"], "bridged", "{verdict}");
+    assert_eq!(verdict["prefillers"], serde_json::json!(["prefill-a", "prefill-b"]), "{verdict}");
+    assert!(verdict["detail"].as_str().unwrap().contains("finished by prefill-b"), "{verdict}");
+    assert_eq!(answer.cached_tokens(), answer.prompt_tokens() - 1, "{verdict}");
+    let whole = answer.prompt_tokens() / u64::from(BLOCK_TOKENS);
+    assert_eq!(verdict["blocks"].as_u64(), Some(whole), "every block counted once: {verdict}");
+    assert_eq!(answer.text(), chat(&decoded, &long, "native").await.text(), "the answer after a failover differs");
+}
