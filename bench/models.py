@@ -314,7 +314,8 @@ through both daemons on real vLLM-CPU and mlx-lm; how each column is measured is
 `smollm2` is the real SmolLM2-135M-Instruct; the other rows are tiny checkpoints with random weights
 that `scripts/make-tiny-model.py` generates deterministically, so agreement there measures the
 bridge's arithmetic, not answer quality. Agreement and KL compare the bridged answer with the
-decoder's native one on the same prompts. The prefill engine runs fp32, so a decoder in bf16 (or
+decoder's native one on the same prompts. The prefill engine runs fp32 (bf16 for deepseek_v3 and
+qwen3_next, which vLLM-CPU runs in nothing else; their decoder is fp32), so a decoder in bf16 (or
 with a quantized KV cache) caches values computed from more precise activations than its own native
 prefill's; the last column compares both with the same weights in fp32 (native, KV not quantized):
 where the two columns agree, the decoder's own rounding, not the bridge, is what flips a token.
