@@ -197,7 +197,7 @@ class Decoder:
         cached = 0
         t0 = time.perf_counter()
         if block_files is not None:
-            cache, cached = self.engine._restore(block_files, tokens, None)
+            cache, cached = self.engine._restore(block_files, None, tokens, None)
         elif cache_kv is not None:
             covered = cache_kv[0][0].shape[2]
             for c, (k, v) in zip(cache, cache_kv):
