@@ -85,8 +85,9 @@ def round_of(client: Client, log: EngineLog, prompts: list[dict], mode: str, max
     for t in threads:
         t.join()
     wall = time.monotonic() - t0
-    rejected = [(r["prompt_tag"], why) for r in rows if (why := accepted(r, mode))]
-    ok = [r for r in rows if accepted(r, mode) is None]
+    verdicts = [(r, accepted(r, mode)) for r in rows]
+    rejected = [(r["prompt_tag"], why) for r, why in verdicts if why]
+    ok = [r for r, why in verdicts if why is None]
     summary: dict = {"users": len(prompts), "mode": mode, "wall_s": round(wall, 2), "rejected": rejected}
     if ok:
         firsts = [r["started_monotonic"] + r["ttft_s"] for r in ok]

@@ -266,8 +266,9 @@ class ToolCalls:
     model said is lost."""
 
     def __init__(self, tokenizer: Any, tools: list[dict]):
-        from mlx_lm.generate import TextStateMachine
+        from mlx_lm.generate import TextStateMachine  # MLX: only where a generation runs
 
+        self.machine = TextStateMachine
         self.start, self.end = tokenizer.tool_call_start, tokenizer.tool_call_end
         self.parser = tokenizer.tool_parser
         self.tools = tools
@@ -277,9 +278,7 @@ class ToolCalls:
         self.call_text = ""
 
     def push(self, text: str) -> tuple[str, list[dict]]:
-        from mlx_lm.generate import TextStateMachine
-
-        self.state, segments = TextStateMachine.split(self.state, text)
+        self.state, segments = self.machine.split(self.state, text)
         out, calls = "", []
         for state, piece in segments:
             if state == "tool":
@@ -296,9 +295,7 @@ class ToolCalls:
     def flush(self) -> tuple[str, list[dict]]:
         """At the end of the answer: text held as a possible marker, and an unfinished call
         (a parser without an end marker ends its call with the answer)."""
-        from mlx_lm.generate import TextStateMachine
-
-        self.state, held, state = TextStateMachine.flush(self.state)
+        self.state, held, state = self.machine.flush(self.state)
         if state != "tool":
             return held, []
         self.call_text += held
