@@ -110,3 +110,36 @@ async fn one_prefiller_serves_two_decoders_at_once_each_into_its_own_store() {
         assert_eq!(answer.text(), chat(decoded, prompt, "native").await.text(), "bridged and native differ");
     }
 }
+
+/// vLLM spread over two processes by tensor parallelism: every rank holds the whole residual
+/// stream after its all-reduce, so rank 0 alone reconstructs and streams; the answer bridged from
+/// it is the decoder's native one.
+#[tokio::test]
+async fn tensor_parallel_prefill_bridges_as_the_decoder_answers() {
+    let scratch = Scratch::new("tp2");
+    // The test model's 9 attention heads do not split over two ranks; the generated Llama 3's 4 do.
+    let engines = Engines::family("llama3");
+    let port = Reserved::new();
+    let config = engines.prefilld_config_parallel(
+        &scratch.0.join("prefilld"),
+        &["--tensor-parallel-size", "2"],
+        &decoders(&[format!("http://{}", port.addr())]),
+    );
+    let prefilld = Daemon::start("prefilld", &config).await;
+    let front = format!(
+        "[front]\nlisten = \"127.0.0.1:0\"\nprefilld = \"http://{}\"\nmin_bridge_tokens = {BLOCK_TOKENS}\n",
+        prefilld.grpc
+    );
+    let config = engines.decoded_config(&scratch.0.join("store"), BLOCK_TOKENS, &front);
+    let decoded = Daemon::start("decoded", &port.release_into(&config)).await;
+    decoded.wait_ready(Duration::from_secs(300)).await;
+    prefilld.wait_ready(Duration::from_secs(900)).await;
+
+    let prompt = user(&license_text()[..2400]);
+    let bridged = chat(&decoded, &prompt, "auto").await;
+    assert_eq!(bridged.verdict["outcome"], "bridged", "{}", bridged.verdict);
+    assert_eq!(bridged.cached_tokens(), bridged.prompt_tokens() - 1, "{}", bridged.verdict);
+    let whole = bridged.prompt_tokens() / u64::from(BLOCK_TOKENS);
+    assert_eq!(bridged.verdict["blocks"].as_u64(), Some(whole), "each block once: {}", bridged.verdict);
+    assert_eq!(bridged.text(), chat(&decoded, &prompt, "native").await.text(), "bridged and native differ");
+}
