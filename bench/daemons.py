@@ -8,6 +8,7 @@ each process role while a block of code runs.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -88,19 +89,26 @@ class Sampler:
         self._thread.join()
 
 
-def configs(run: Path, ports: dict, model: str, max_len: int, decoder: str = "", prefill_dtype: str = "float32",
-            decoder_model: str | None = None) -> tuple[Path, Path]:
-    """`decoder`: extra `[engine]` keys for decoded (dtype, kv_bits, …, then possibly `[engine.env]`);
+def decoded_toml(run: Path, ports: dict, model: str, prefillers: list[int], decoder: str = "",
+                 decoder_model: str | None = None, block_tokens: int = BLOCK_TOKENS) -> str:
+    """decoded's config: its store and socket under `run`, bridging through the prefilld instances
+    listening on `prefillers` (gRPC ports; several are listed as `[[front.prefillers]]`).
+    `decoder`: extra `[engine]` keys (dtype, kv_bits, …, then possibly `[engine.env]`);
     `decoder_model`: the decoder's model folder under models/ (default `<model>-mlx`)."""
-    decoded = f"""
+    if len(prefillers) == 1:
+        bridge = f'prefilld = "http://127.0.0.1:{prefillers[0]}"\n'
+    else:
+        bridge = "".join(f'[[front.prefillers]]\naddr = "http://127.0.0.1:{port}"\nname = "prefill-{i}"\n'
+                         for i, port in enumerate(prefillers))
+    return f"""
 [server]
-grpc_listen = "127.0.0.1:{ports['decoded_grpc']}"
-admin_listen = "127.0.0.1:{ports['decoded_admin']}"
+grpc_listen = "127.0.0.1:{ports['grpc']}"
+admin_listen = "127.0.0.1:{ports['admin']}"
 [log]
 format = "json"
 [store]
 dir = "{run}/store"
-block_tokens = {BLOCK_TOKENS}
+block_tokens = {block_tokens}
 budget_bytes = 17179869184
 push_idle_timeout = "3600s"
 [engine]
@@ -113,16 +121,25 @@ start_timeout = "600s"
 [front]
 listen = "127.0.0.1:{ports['front']}"
 model_name = "{model}"
-prefilld = "http://127.0.0.1:{ports['prefilld_grpc']}"
-min_bridge_tokens = {BLOCK_TOKENS}
+min_bridge_tokens = {block_tokens}
 prefill_deadline_base = "600s"
 prefill_deadline_per_1k_tokens = "60s"
 request_timeout = "7200s"
-"""
-    prefilld = f"""
+{bridge}"""
+
+
+def prefilld_toml(run: Path, ports: dict, model: str, max_len: int, decoders: list[int],
+                  prefill_dtype: str = "float32", vllm_args: tuple[str, ...] = ()) -> str:
+    """prefilld's config: vLLM on `models/<model>-hf`, pushing to the decoders on `decoders` (gRPC
+    ports). `vllm_args` spread vLLM over processes (one core bound to each: this rig has no second
+    NUMA node for vLLM's automatic binding)."""
+    extra = f"extra_args = {json.dumps(list(vllm_args))}\n" if vllm_args else ""
+    bind = 'VLLM_CPU_OMP_THREADS_BIND = "0|1"\n' if vllm_args else ""
+    pushes = "".join(f'[[decoders]]\naddr = "http://127.0.0.1:{port}"\n' for port in decoders)
+    return f"""
 [server]
-grpc_listen = "127.0.0.1:{ports['prefilld_grpc']}"
-admin_listen = "127.0.0.1:{ports['prefilld_admin']}"
+grpc_listen = "127.0.0.1:{ports['grpc']}"
+admin_listen = "127.0.0.1:{ports['admin']}"
 [log]
 format = "json"
 [engine]
@@ -134,17 +151,12 @@ max_model_len = {max_len}
 plugin_socket = "{run}/plugin.sock"
 bundle_dir = "{run}/bundles"
 start_timeout = "900s"
-[engine.env]
+{extra}[engine.env]
 VLLM_CPU_KVCACHE_SPACE = "4"
 VLLM_CPU_NUM_OF_RESERVED_CPU = "1"
-[[decoders]]
-addr = "http://127.0.0.1:{ports['decoded_grpc']}"
-[stream]
+{bind}{pushes}[stream]
 deadline_per_1k_tokens = "60s"
 """
-    (run / "decoded.toml").write_text(decoded)
-    (run / "prefilld.toml").write_text(prefilld)
-    return run / "decoded.toml", run / "prefilld.toml"
 
 
 def wait_ready(admin_port: int, proc: subprocess.Popen, name: str, limit_s: float = 1200) -> None:
@@ -169,39 +181,57 @@ def open_files(pid: int) -> int:
         return 0
 
 
-class Daemons:
-    """decoded + prefilld on `model`, ready on entry, stopped on exit."""
+class Topology:
+    """`prefillers` prefilld instances and one decoded per entry of `decoders` on `model`, each
+    listing all of the other side, ready on entry, stopped on exit. A decoder entry is its block
+    size; `vllm_args` spread every prefilld's vLLM over processes. Daemon `i` of a role is named
+    `prefilld-i` / `decoded-i` (its folder under the run folder, its log, its `ports`)."""
 
-    def __init__(self, model: str, run_dir: str, max_len: int, decoder: str = "", prefill_dtype: str = "float32",
-                 decoder_model: str | None = None):
+    def __init__(self, model: str, run_dir: str, max_len: int, prefillers: int = 1,
+                 decoders: tuple[int, ...] = (BLOCK_TOKENS,), decoder: str = "", prefill_dtype: str = "float32",
+                 decoder_model: str | None = None, vllm_args: tuple[str, ...] = ()):
         self.run = (ROOT / run_dir).resolve()
         subprocess.run(["rm", "-rf", str(self.run)], check=True)
-        self.run.mkdir(parents=True)
-        self.ports = {
-            k: free_port() for k in ("decoded_grpc", "decoded_admin", "front", "prefilld_grpc", "prefilld_admin")
-        }
-        self.tomls = configs(self.run, self.ports, model, max_len, decoder, prefill_dtype, decoder_model)
+        self.ports: dict[str, dict[str, int]] = {}
+        for i in range(prefillers):
+            self.ports[f"prefilld-{i}"] = {"grpc": free_port(), "admin": free_port()}
+        for i in range(len(decoders)):
+            self.ports[f"decoded-{i}"] = {"grpc": free_port(), "admin": free_port(), "front": free_port()}
+        grpc = {role: [p["grpc"] for name, p in self.ports.items() if name.startswith(role)]
+                for role in ("prefilld", "decoded")}
+        self.tomls: dict[str, Path] = {}
+        for name, ports in self.ports.items():
+            folder = self.run / name
+            folder.mkdir(parents=True)
+            if name.startswith("decoded"):
+                block_tokens = decoders[int(name.split("-")[1])]
+                toml = decoded_toml(folder, ports, model, grpc["prefilld"], decoder, decoder_model, block_tokens)
+            else:
+                toml = prefilld_toml(folder, ports, model, max_len, grpc["decoded"], prefill_dtype, vllm_args)
+            self.tomls[name] = folder / f"{name.split('-')[0]}.toml"
+            self.tomls[name].write_text(toml)
         self.procs: dict[str, subprocess.Popen] = {}
-        self.front = f"http://127.0.0.1:{self.ports['front']}"
-        self.decoded_log = self.run / "decoded.log"
 
-    def __enter__(self) -> "Daemons":
+    def front(self, i: int = 0) -> str:
+        return f"http://127.0.0.1:{self.ports[f'decoded-{i}']['front']}"
+
+    def log(self, name: str) -> Path:
+        return self.run / name / f"{name.split('-')[0]}.log"
+
+    def __enter__(self):
         try:
-            for name, toml in zip(("decoded", "prefilld"), self.tomls):
-                log = open(self.run / f"{name}.log", "wb")
+            for name, toml in self.tomls.items():
+                binary = ROOT / "target" / "release" / name.split("-")[0]
                 self.procs[name] = subprocess.Popen(
-                    [str(ROOT / "target" / "release" / name), "--config", str(toml)],
-                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                    [str(binary), "--config", str(toml)],
+                    stdout=open(self.log(name), "wb"), stderr=subprocess.STDOUT, start_new_session=True,
                 )
-            wait_ready(self.ports["decoded_admin"], self.procs["decoded"], "decoded")
-            wait_ready(self.ports["prefilld_admin"], self.procs["prefilld"], "prefilld")
+            for name, proc in self.procs.items():
+                wait_ready(self.ports[name]["admin"], proc, name)
         except BaseException:
             self.__exit__()
             raise
         return self
-
-    def sampler(self) -> Sampler:
-        return Sampler(self.procs["decoded"].pid, self.procs["prefilld"].pid)
 
     def __exit__(self, *exc):
         for proc in self.procs.values():
@@ -217,3 +247,20 @@ class Daemons:
                 os.killpg(proc.pid, 9)
             except ProcessLookupError:
                 pass
+
+
+class Daemons(Topology):
+    """decoded + prefilld on `model`, ready on entry, stopped on exit."""
+
+    def __init__(self, model: str, run_dir: str, max_len: int, decoder: str = "", prefill_dtype: str = "float32",
+                 decoder_model: str | None = None):
+        super().__init__(model, run_dir, max_len, decoder=decoder, prefill_dtype=prefill_dtype,
+                         decoder_model=decoder_model)
+        self.front = super().front()
+        self.decoded_log = self.log("decoded-0")
+
+    def pid(self, role: str) -> int:
+        return self.procs[f"{role}-0"].pid
+
+    def sampler(self) -> Sampler:
+        return Sampler(self.pid("decoded"), self.pid("prefilld"))

@@ -207,7 +207,7 @@ def run_row(row: Row, args, text: str) -> dict:
                              "native_text": native["text"][:120], "bridged_text": bridged["text"][:120]})
             log(f"  {row.family}/{row.cache_dtype} prompt {i}: {prompt['prompt_tokens']} tokens, "
                 f"verdict {bridged['verdict']['outcome']}, same text {rows_out[-1]['same_text']}")
-    store = store_blocks(run / "store")
+    store = store_blocks(run / "decoded-0" / "store")
 
     engine = engine_for(row, run / "bundle")
     # A reduced-precision decoder (bf16, quantized KV) is also compared with the same model in full

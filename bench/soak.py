@@ -30,7 +30,7 @@ MIX = [("auto", "bridged", 768), ("auto", "cached", None), ("native", "native", 
 
 
 def sample(daemons: Daemons) -> dict:
-    decoded, prefilld = daemons.procs["decoded"].pid, daemons.procs["prefilld"].pid
+    decoded, prefilld = daemons.pid("decoded"), daemons.pid("prefilld")
     sampler = daemons.sampler()
     rss = sampler.sample()
     files = {

