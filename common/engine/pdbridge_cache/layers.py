@@ -118,7 +118,8 @@ class CachePath:
         """Whether a block's tensors depend on every block before it (a layer keeps a state)."""
         return any(self.is_recurrent(layer) for layer in self.layers)
 
-    def _module(self, layer: int) -> Any:
+    def module(self, layer: int) -> Any:
+        """The decoder's module that writes layer `layer`'s cache (attention, or recurrent)."""
         block = self.model.layers[layer]
         name = _RECURRENT if self.is_recurrent(layer) else _ATTENTION
         module = getattr(block, name, None)
@@ -137,11 +138,11 @@ class CachePath:
         x = block.input_layernorm(hidden.astype(self.dtype))
         if codec.kind == SNAPSHOT:
             state = state if state is not None else codec.fresh(template)
-            self._module(layer)(x, None, state)
+            self.module(layer)(x, None, state)
             return codec.tensors(state)
         inner = codec.fresh(template)
         try:
-            self._module(layer)(x, mask=None, cache=_Recorder(inner, offset))
+            self.module(layer)(x, mask=None, cache=_Recorder(inner, offset))
         except _Recorded:
             return codec.tensors(inner)
         raise RuntimeError(f"layer {layer}: the attention module never wrote its cache")
@@ -179,7 +180,7 @@ class CachePath:
         or recurrent) that the cache depends on, by name."""
         needed: dict[int, set[str]] = {}
         for layer in self.layers:
-            module = self._module(layer)
+            module = self.module(layer)
             probe = mx.random.normal((1, 2, self.hidden_size), key=mx.random.key(layer))
             baseline = self.layer_tensors(layer, probe, 0)
             needed[layer] = set()

