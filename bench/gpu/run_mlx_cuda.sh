@@ -6,12 +6,13 @@
 #   then, on the GPU machine, one call per part, back to back (the machine stays warm between them),
 #   each carrying .gpu-carry holding only that part:
 #       mkdir -p /tmp/stage && cp .gpu-carry/part-* /tmp/stage/
-#   and with the last part:
-#       bench/gpu/run_mlx_cuda.sh remote      unpacks, runs both measurements, writes $OUT/*.json
+#   and with the last part, then in a next call (each at most 10 minutes):
+#       bench/gpu/run_mlx_cuda.sh remote throughput    unpacks, measures, writes $OUT/throughput.json
+#       bench/gpu/run_mlx_cuda.sh remote fidelity      writes $OUT/fidelity.json
 #
 # What travels: the mlx (cp312) and mlx-lm wheels, mlx-cuda-13's files with libmlx.so stripped
-# (xz), and SmolLM2-135M 4-bit (the test model, scales and biases in fp16, embedding quantized as
-# the other weights are). The machine's own torch and NVIDIA libraries serve the rest.
+# (xz), and SmolLM2-135M 4-bit (the test model's weights; its scales and biases in fp16, as a
+# Mac's 4-bit models keep them). The machine's own torch and NVIDIA libraries serve the rest.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 MLX=0.32.4
@@ -46,22 +47,21 @@ PY
   ls -la .gpu-carry
   ;;
 remote)
-  stage=/tmp/stage
-  mkdir -p "$stage" && cp .gpu-carry/part-* "$stage/"
-  site=/tmp/site
-  rm -rf "$site" && mkdir -p "$site"
-  cat "$stage"/part-* | xz -d | tar -C "$stage" -xf -
-  python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" "$stage"/bundle/wheels/*.whl
-  cp -r "$stage"/cuda/. "$site"/
+  what=${2:?remote throughput|fidelity}
+  stage=/tmp/stage site=/tmp/site
+  mkdir -p "$stage"
+  cp .gpu-carry/part-* "$stage/" 2>/dev/null || true
+  if [ ! -d "$site/mlx_lm" ]; then  # the first measurement of this machine unpacks
+    cat "$stage"/part-* | xz -d | tar -C "$stage" -xf -
+    python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" "$stage"/bundle/wheels/*.whl
+    cp -r "$stage"/cuda/. "$site"/
+  fi
   libs=$(python3 -c 'import nvidia, os; print(":".join(os.path.join(p, d, "lib") for p in nvidia.__path__ for d in os.listdir(p) if os.path.isdir(os.path.join(p, d, "lib"))))')
   export PYTHONPATH="$site" LD_LIBRARY_PATH="$libs:${LD_LIBRARY_PATH:-}" PYTHONUNBUFFERED=1
-  python3 -c 'import mlx.core as mx; print("mlx", mx.__version__, mx.default_device(), mx.cuda.is_available())'
-  # Each measurement on its own: one failing leaves the other's results.
-  python3 bench/gpu/mlx_cuda.py throughput --out "$OUT" > "$OUT/throughput.log" 2>&1 || echo "throughput failed"
-  tail -5 "$OUT/throughput.log"
-  python3 bench/gpu/mlx_cuda.py fidelity --model "$stage/bundle/smollm2" --out "$OUT" "${@:2}" > "$OUT/fidelity.log" 2>&1 \
-    || echo "fidelity failed"
-  tail -5 "$OUT/fidelity.log"
+  python3 -c 'import mlx.core as mx; print("mlx", mx.__version__, mx.default_device())'
+  model=()
+  [ "$what" != fidelity ] || model=(--model "$stage/bundle/smollm2")
+  python3 bench/gpu/mlx_cuda.py "$what" "${model[@]}" --out "$OUT" "${@:3}" 2>&1 | tee "$OUT/$what.log"
   ;;
 *)
   echo "usage: bench/gpu/run_mlx_cuda.sh prepare|remote" >&2
