@@ -291,19 +291,28 @@ def blocks_on(device, path: CachePath, hidden: list, n: int) -> list[dict[str, l
     return parts
 
 
-def compare(a: list[dict[str, list]], b: list[dict[str, list]]) -> tuple[int, int, int]:
-    """(elements equal, elements, max ulp) between two reconstructions."""
+def ordered_bits(x: mx.array) -> np.ndarray:
+    """A float tensor's bit patterns as integers in the order of the values, so that the distance
+    of two is their distance in units in the last place of the tensor's own dtype."""
+    width = x.dtype.size * 8
+    i = np.array(x.view({16: mx.int16, 32: mx.int32}[width])).astype(np.int64)
+    return np.where(i < 0, -(1 << (width - 1)) - i, i)
+
+
+def compare(a: list[dict[str, list]], b: list[dict[str, list]]) -> tuple[int, int, int, float]:
+    """(elements equal, elements, max ulp, max |difference| over the tensor's largest |value|)
+    between two reconstructions."""
     equal = total = ulp = 0
+    rel = 0.0
     for la, lb in zip(a, b):
         for name in la:
             for x, y in zip(la[name], lb[name]):
                 same = np.array(x == y)
                 equal, total = equal + int(same.sum()), total + same.size
-                if mx.issubdtype(x.dtype, mx.floating):  # ulps of the tensor's own dtype
-                    bits = {2: mx.int16, 4: mx.int32}[x.dtype.size]
-                    xi, yi = (np.array(a.view(bits)).astype(np.int64) for a in (x, y))
-                    ulp = max(ulp, int(np.abs(xi - yi).max()))
-    return equal, total, ulp
+                ulp = max(ulp, int(np.abs(ordered_bits(x) - ordered_bits(y)).max()))
+                xf, yf = np.array(x.astype(mx.float32)), np.array(y.astype(mx.float32))
+                rel = max(rel, float(np.abs(xf - yf).max() / max(np.abs(yf).max(), 1e-30)))
+    return equal, total, ulp, rel
 
 
 def continue_from(device, model, templates: list, parts: list, n: int, last: int, steps: int):
@@ -338,7 +347,7 @@ def fidelity(args) -> dict:
         model.set_dtype(dtype)
         path = CachePath(model, kinds.decoder_caches(model, None, 64), dtype)
         for length in (int(x) for x in args.lengths.split(",")):
-            stats = {pair: {"equal": 0, "total": 0, "ulp": 0, "first_same": 0, "kl": [], "greedy_same": 0}
+            stats = {pair: {"equal": 0, "total": 0, "ulp": 0, "rel": 0.0, "first_same": 0, "kl": [], "greedy_same": 0}
                      for pair in ("cuda->cpu", "cpu->cuda")}
             for p in range(args.prompts):
                 start = (p * 7919 * 3) % max(1, len(ids) - length)
@@ -349,8 +358,8 @@ def fidelity(args) -> dict:
                 for pair in stats:
                     src, dst = pair.split("->")
                     s = stats[pair]
-                    e, t, u = compare(built[src], built[dst])
-                    s["equal"], s["total"], s["ulp"] = s["equal"] + e, s["total"] + t, max(s["ulp"], u)
+                    e, t, u, r = compare(built[src], built[dst])
+                    s["equal"], s["total"], s["ulp"], s["rel"] = s["equal"] + e, s["total"] + t, max(s["ulp"], u), max(s["rel"], r)
                     mx.set_default_device(backends[dst])
                     theirs = continue_from(backends[dst], model, path.templates, built[src], length - 1, tokens[-1], args.steps)
                     own = continue_from(backends[dst], model, path.templates, built[dst], length - 1, tokens[-1], args.steps)
@@ -362,6 +371,7 @@ def fidelity(args) -> dict:
             for pair, s in stats.items():
                 row = {"dtype": dtype_name, "prompt_tokens": length, "pair": pair, "prompts": args.prompts,
                        "elements_exact_pct": 100 * s["equal"] / s["total"], "max_ulp": s["ulp"],
+                       "max_rel_diff": s["rel"],
                        "first_token_agreement": s["first_same"] / args.prompts,
                        f"greedy_{args.steps}_agreement": s["greedy_same"] / args.prompts,
                        "kl_mean": statistics.mean(s["kl"]), "kl_max": max(s["kl"])}
