@@ -31,7 +31,10 @@ problem; it becomes that request's ``error`` message.
 Extra config (``kv_connector_extra_config``): ``max_queued_mb`` (256; captured hidden states copied
 out and waiting for MLX/socket — past it the step loop waits), ``socket_timeout_s`` (60), ``streamer_cpus`` ("all", a
 comma list, or null to leave the thread's affinity alone), ``mlx_streams`` (2; MLX streams —
-on CPU, threads — that reconstruct layers in parallel; the result is bit-identical for any count).
+on CPU, threads — that reconstruct layers in parallel; the result is bit-identical for any count),
+``blocks_per_call`` (8; whole blocks a step completes that are reconstructed in one call, where the
+cache keeps a row per token: bit-identical to one call per block on the CPU, and what a GPU's rate
+depends on).
 """
 
 from __future__ import annotations
@@ -129,6 +132,7 @@ class PdBridgeConnector(ExampleHiddenStatesConnector):
         draft_hf = vllm_config.speculative_config.draft_model_config.hf_config
         self._capture_ids: list[int] = list(draft_hf.eagle_aux_hidden_state_layer_ids)
         extra = self._kv_transfer_config.get_from_extra_config
+        self._blocks_per_call = max(1, int(extra("blocks_per_call", 8)))
         # Scheduler side.
         self._sched: dict[str, _SchedState] = {}
         self._finished: dict[str, Any] = {}
@@ -316,12 +320,16 @@ class PdBridgeConnector(ExampleHiddenStatesConnector):
             # max(): a recompute after preemption restarts at 0 over already-verified positions.
             st.captured = max(st.captured, min(prog.end, st.prompt_len))
 
+        # The blocks this step completed leave together, up to `blocks_per_call`: the streamer
+        # reconstructs them in one call where the cache allows (a GPU's rate is set by tokens per call).
         B = st.params.block_tokens
         while st.next_block < st.params.end_block and (st.next_block + 1) * B <= st.captured:
-            hidden = self._gather(st, st.next_block * B, (st.next_block + 1) * B)
+            count = min(self._blocks_per_call, st.params.end_block - st.next_block,
+                        st.captured // B - st.next_block)
+            hidden = self._gather(st, st.next_block * B, (st.next_block + count) * B)
             st.stream.capture_ms += (time.perf_counter() - t0) * 1e3
-            self._streamer.submit_block(st.stream, st.next_block, hidden)  # may wait: backpressure
-            st.next_block += 1
+            self._streamer.submit_blocks(st.stream, st.next_block, hidden)  # may wait: backpressure
+            st.next_block += count
             t0 = time.perf_counter()
         st.stream.capture_ms += (time.perf_counter() - t0) * 1e3
 
@@ -335,7 +343,7 @@ class PdBridgeConnector(ExampleHiddenStatesConnector):
                 if st.params.tail_tokens:
                     start = st.params.end_block * B
                     tail = self._gather(st, start, start + st.params.tail_tokens)
-                    self._streamer.submit_block(st.stream, st.params.end_block, tail, tail=True)
+                    self._streamer.submit_blocks(st.stream, st.params.end_block, tail, tail=True)
                 self._streamer.submit_done(st.stream, st.captured)
                 st.finished = True
 

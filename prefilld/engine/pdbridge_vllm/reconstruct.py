@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 
 import numpy as np
+from pdbridge_cache.kinds import TOKEN_AXIS
 from pdbridge_cache.layers import BundleError as CodecBundleError
 from pdbridge_cache.layers import CachePath
 from pdbridge_cache.safetensors_io import dtype_name, tensor_bytes
@@ -62,8 +63,34 @@ def block(path: CachePath, hidden: np.ndarray, offset: int, streams: list | None
     positions offset..offset+T; `states` the request's recurrent states, advanced (see
     `CachePath.block`). Returns (tensor headers, payload parts), layers ascending and each layer's
     tensors in its codec's order."""
+    return _wire(path.block(hidden, offset, streams, states, only_states))
+
+
+def blocks(path: CachePath, hidden: np.ndarray, offset: int, block_tokens: int, streams: list | None = None):
+    """Consecutive whole blocks (`hidden`: [k * block_tokens, layers, hidden]) computed in one call
+    and cut into each block's wire tensors, in order. Tokens per call decide a GPU's rate (calls of
+    256 tokens run at a quarter of the rate of 8,192-token ones on MLX's CUDA backend); a token's
+    rows do not depend on the tokens computed beside it (on the CPU, bit for bit), so the cut
+    blocks are what one call per block gives. Not for a recurrent path (its state is needed after
+    every block); a cache that keeps fewer rows than the call's tokens (a window) is computed block
+    by block."""
+    count = hidden.shape[0] // block_tokens
+    if count > 1:
+        rows = path.block(hidden, offset, streams)
+        if all(a.shape[TOKEN_AXIS] == hidden.shape[0] for _, _, a in rows):
+            cut = [slice(None)] * (TOKEN_AXIS + 1)
+            out = []
+            for k in range(count):
+                cut[TOKEN_AXIS] = slice(k * block_tokens, (k + 1) * block_tokens)
+                out.append(_wire([(layer, name, a[tuple(cut)]) for layer, name, a in rows]))
+            return out
+    return [block(path, hidden[k * block_tokens:(k + 1) * block_tokens], offset + k * block_tokens, streams)
+            for k in range(count)]
+
+
+def _wire(rows: list) -> tuple[list, list]:
     headers, parts, at = [], [], 0
-    for layer, name, array in path.block(hidden, offset, streams, states, only_states):
+    for layer, name, array in rows:
         data = tensor_bytes(array)
         headers.append({"layer": layer, "name": name, "dtype": dtype_name(array.dtype),
                         "shape": list(array.shape), "offset": at, "nbytes": len(data)})

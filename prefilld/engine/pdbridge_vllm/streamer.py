@@ -151,14 +151,14 @@ class Streamer:
         """Load/validate the bundle early, so a bad bundle fails before any prefill work is wasted."""
         self._put(("start", stream, None))
 
-    def submit_block(self, stream: RequestStream, block_index: int, hidden, tail: bool = False) -> None:
-        """`hidden`: [rows, n_captured, hidden_size], the block's (or the tail's) captured residual
-        stream, as a numpy array or a torch tensor in the engine's dtype (converted to float32 on
-        the streamer thread, off the step loop). Waits while the queue is over budget:
-        backpressure."""
+    def submit_blocks(self, stream: RequestStream, first_index: int, hidden, tail: bool = False) -> None:
+        """`hidden`: [rows, n_captured, hidden_size], the captured residual stream of consecutive
+        whole blocks from `first_index` (or of the tail), as a numpy array or a torch tensor in the
+        engine's dtype (converted to float32 on the streamer thread, off the step loop). Waits while
+        the queue is over budget: backpressure."""
         nbytes = (hidden.nbytes if isinstance(hidden, np.ndarray)
                   else hidden.numel() * hidden.element_size())
-        self._put(("block", stream, (block_index, hidden, tail)), nbytes)
+        self._put(("blocks", stream, (first_index, hidden, tail)), nbytes)
 
     def submit_done(self, stream: RequestStream, num_tokens: int) -> None:
         self._put(("done", stream, num_tokens))
@@ -199,8 +199,8 @@ class Streamer:
         try:
             if kind == "start":
                 self._bundle(stream)
-            elif kind == "block":
-                self._emit_block(stream, *arg)
+            elif kind == "blocks":
+                self._emit_blocks(stream, *arg)
             elif kind == "done":
                 self._emit_done(stream, arg)
             elif kind == "error":
@@ -259,7 +259,7 @@ class Streamer:
         self._bundles.move_to_end(key)
         return path
 
-    def _emit_block(self, stream: RequestStream, block_index: int, hidden, tail: bool) -> None:
+    def _emit_blocks(self, stream: RequestStream, first_index: int, hidden, tail: bool) -> None:
         from . import reconstruct
 
         path = self._bundle(stream)
@@ -270,23 +270,42 @@ class Streamer:
             self._fail(stream, protocol.BUNDLE_MISMATCH,
                        f"captured hidden size {hidden.shape[2]} != the decoder's {path.hidden_size}")
             return
-        cols = [self._capture_layer_ids.index(lay) for lay in path.layers]
+        hidden = hidden[:, [self._capture_layer_ids.index(lay) for lay in path.layers], :]
+        B = stream.params.block_tokens
+        if tail or path.recurrent or hidden.shape[0] <= B:
+            for k in range(1 if tail else hidden.shape[0] // B):
+                self._emit_block(stream, path, first_index + k, hidden[k * B:(k + 1) * B], tail)
+            return
+        t0 = time.perf_counter()
+        try:
+            wire = reconstruct.blocks(path, hidden, first_index * B, B, self._streams())
+        except Exception as e:
+            self._fail(stream, protocol.RECONSTRUCT_FAILED, f"blocks from {first_index}: {e}")
+            return
+        stream.reconstruct_ms += (time.perf_counter() - t0) * 1e3
+        for k, (tensors, payload) in enumerate(wire):
+            self._send_block(stream, first_index + k, tensors, payload, tail=False)
+
+    def _emit_block(self, stream: RequestStream, path, block_index: int, hidden: np.ndarray, tail: bool) -> None:
+        from . import reconstruct
+
         if stream.states is None:
             stream.states = path.new_states()
         # A block the decoder already has: reconstructed only to carry the state on.
         known = block_index < stream.params.first_block
         t0 = time.perf_counter()
         try:
-            tensors, payload = reconstruct.block(path, hidden[:, cols, :],
-                                                 offset=block_index * stream.params.block_tokens,
+            tensors, payload = reconstruct.block(path, hidden, offset=block_index * stream.params.block_tokens,
                                                  streams=self._streams(), states=stream.states,
                                                  only_states=known)
         except Exception as e:
             self._fail(stream, protocol.RECONSTRUCT_FAILED, f"block {block_index}: {e}")
-            return
+            raise _StreamFailed from None
         stream.reconstruct_ms += (time.perf_counter() - t0) * 1e3
-        if known:
-            return
+        if not known:
+            self._send_block(stream, block_index, tensors, payload, tail)
+
+    def _send_block(self, stream: RequestStream, block_index: int, tensors: list, payload: list, tail: bool) -> None:
         header = {"type": "block", "request_id": stream.params.request_id,
                   "block_index": block_index, "payload_bytes": sum(t["nbytes"] for t in tensors),
                   "tensors": tensors}

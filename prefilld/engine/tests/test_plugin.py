@@ -130,6 +130,20 @@ class ReconstructionTest(unittest.TestCase):
               "bit-exact vs the decoder's native cache")
 
 
+    def test_blocks_in_one_call_are_the_blocks_one_by_one(self):
+        """The blocks a step completes, reconstructed in one call and cut per block (what the
+        plugin sends), are byte for byte what one call per block gives."""
+        from pdbridge_vllm import reconstruct
+
+        path = reconstruct.load(FX.bundle, FX.sha)
+        together = reconstruct.blocks(path, FX.native_hidden[:T // B * B], 0, B)
+        alone = [reconstruct.block(path, FX.native_hidden[b * B:(b + 1) * B], b * B) for b in range(T // B)]
+        self.assertEqual(len(together), T // B)
+        for b, ((headers, parts), (want_headers, want_parts)) in enumerate(zip(together, alone)):
+            self.assertEqual(headers, want_headers, f"block {b}")
+            self.assertEqual(b"".join(map(bytes, parts)), b"".join(map(bytes, want_parts)), f"block {b}")
+
+
 class BridgeCase(unittest.TestCase):
     """A plugin socket of the class's own (prefilld's side), requests and checks against the
     native cache. Subclasses start their engines."""
