@@ -107,6 +107,10 @@ pub struct EngineConfig {
     /// Extra environment for vLLM (e.g. `VLLM_CPU_KVCACHE_SPACE`).
     #[serde(default)]
     pub env: BTreeMap<String, String>,
+    /// The plugin's settings (`blocks_per_call`, `dense_weights`, `max_queued_mb`, …), handed to
+    /// it as vLLM's `kv_connector_extra_config`.
+    #[serde(default)]
+    pub plugin: BTreeMap<String, serde_json::Value>,
     #[serde(with = "humantime_serde", default = "default_start_timeout")]
     pub start_timeout: Duration,
     #[serde(with = "humantime_serde", default = "default_restart_backoff")]

@@ -296,6 +296,7 @@ fn command(config: &EngineConfig, num_layers: u32, port: u16) -> Command {
         "kv_connector": "PdBridgeConnector",
         "kv_connector_module_path": "pdbridge_vllm.connector",
         "kv_role": "kv_producer",
+        "kv_connector_extra_config": config.plugin,
     });
     // Capture the residual stream entering every layer (ids 0..L-1): the input
     // the decoder's cache is computed from.
@@ -336,6 +337,20 @@ mod tests {
     use serde_json::json;
 
     use super::*;
+
+    #[test]
+    fn plugin_settings_reach_vllm_as_its_connector_extra_config() {
+        let file = std::env::temp_dir().join(format!("pdb-engine-plugin-{}.toml", std::process::id()));
+        std::fs::write(&file, "model = \"m\"\n[plugin]\nblocks_per_call = 32\ndense_weights = true\n").unwrap();
+        let sources = pdbridge_common::config::Sources { file: Some(file.clone()), ..Default::default() };
+        let config: EngineConfig = pdbridge_common::config::load(sources).unwrap();
+        std::fs::remove_file(&file).unwrap();
+        let command = command(&config, 2, 8000);
+        let args: Vec<String> = command.as_std().get_args().map(|a| a.to_string_lossy().into_owned()).collect();
+        let at = args.iter().position(|a| a == "--kv-transfer-config").unwrap();
+        let kv_transfer: serde_json::Value = serde_json::from_str(&args[at + 1]).unwrap();
+        assert_eq!(kv_transfer["kv_connector_extra_config"], json!({"blocks_per_call": 32, "dense_weights": true}));
+    }
 
     fn kinds_and_thetas(config: serde_json::Value, layers: usize) -> Vec<(String, f64)> {
         HfRope::per_layer(&config, layers).into_iter().map(|r| (r.kind, r.theta)).collect()

@@ -34,7 +34,9 @@ comma list, or null to leave the thread's affinity alone), ``mlx_streams`` (2; M
 on CPU, threads — that reconstruct layers in parallel; the result is bit-identical for any count),
 ``blocks_per_call`` (8; whole blocks a step completes that are reconstructed in one call, where the
 cache keeps a row per token: bit-identical to one call per block on the CPU, and what a GPU's rate
-depends on).
+depends on), ``dense_weights`` (false; dequantize the decoder's weights once — for a GPU, where the
+cache cannot be the decoder's bits anyway; see `reconstruct.load`). prefilld passes its
+``[engine.plugin]`` table here.
 """
 
 from __future__ import annotations
@@ -143,7 +145,8 @@ class PdBridgeConnector(ExampleHiddenStatesConnector):
             Streamer(self._capture_ids, max_queued_mb=float(extra("max_queued_mb", 256)),
                      socket_timeout_s=float(extra("socket_timeout_s", 60.0)),
                      cpus=extra("streamer_cpus", "all"),
-                     mlx_streams=int(extra("mlx_streams", 2)))
+                     mlx_streams=int(extra("mlx_streams", 2)),
+                     dense_weights=bool(extra("dense_weights", False)))
             if role == KVConnectorRole.WORKER else None
         )
 

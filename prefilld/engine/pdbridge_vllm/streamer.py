@@ -132,7 +132,7 @@ class Streamer:
 
     def __init__(self, capture_layer_ids: list[int], max_queued_mb: float = 256,
                  socket_timeout_s: float = 60.0, cpus: str | None = "all", mlx_streams: int = 2,
-                 max_bundles: int = 2):
+                 max_bundles: int = 2, dense_weights: bool = False):
         self._capture_layer_ids = list(capture_layer_ids)
         self._num_mlx_streams = max(1, mlx_streams)
         self._mlx_streams: list | None = None  # created on the streamer thread
@@ -142,6 +142,7 @@ class Streamer:
         # sha256 -> the decoder's CachePath, least recently used first.
         self._bundles: collections.OrderedDict[str, Any] = collections.OrderedDict()
         self._max_bundles = max_bundles
+        self._dense_weights = dense_weights
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
@@ -243,7 +244,7 @@ class Streamer:
         path = self._bundles.get(key)
         if path is None:
             try:
-                path = reconstruct.load(p.bundle_path, p.bundle_sha256 or None)
+                path = reconstruct.load(p.bundle_path, p.bundle_sha256 or None, self._dense_weights)
             except reconstruct.BundleError as e:
                 self._fail(stream, e.reason, str(e))
                 raise _StreamFailed from None

@@ -49,6 +49,21 @@ class BundleLoadTest(unittest.TestCase):
         kinds = {name.split(".")[-2] for name in self.arrays}
         self.assertEqual(kinds, {"input_layernorm", "k_proj", "v_proj"})
 
+    def test_dense_weights_trade_the_decoders_bits_for_dense_matmuls(self):
+        """For a GPU: the weights dequantized once, the same cache to within rounding, no longer
+        bit for bit the decoder's."""
+        import mlx.nn as nn
+        import numpy as np
+
+        exact = reconstruct.load(self.path, self.sha)
+        dense = reconstruct.load(self.path, self.sha, dense_weights=True)
+        self.assertIsInstance(exact.module(0).k_proj, nn.QuantizedLinear)
+        self.assertIsInstance(dense.module(0).k_proj, nn.Linear)
+        hidden = np.random.default_rng(0).standard_normal((64, support.NUM_LAYERS, 576), dtype=np.float32)
+        for (_, name, want), (_, _, got) in zip(exact.block(hidden, 100), dense.block(hidden, 100)):
+            want, got = np.array(want), np.array(got)
+            self.assertLess(np.abs(got - want).max(), 1e-3 * np.abs(want).max(), name)
+
     def test_refuses_what_it_cannot_use(self):
         self.refused(self.path, protocol.BUNDLE_MISMATCH, "sha256", sha="00" * 32)
         self.refused(self.variant(format="pdbridge-bundle-v1"), protocol.BUNDLE_MISMATCH, "format")
