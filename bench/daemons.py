@@ -212,7 +212,7 @@ class Topology:
             self.tomls[name].write_text(toml)
         self.procs: dict[str, subprocess.Popen] = {}
 
-    def front(self, i: int = 0) -> str:
+    def front_url(self, i: int = 0) -> str:
         return f"http://127.0.0.1:{self.ports[f'decoded-{i}']['front']}"
 
     def log(self, name: str) -> Path:
@@ -256,7 +256,7 @@ class Daemons(Topology):
                  decoder_model: str | None = None):
         super().__init__(model, run_dir, max_len, decoder=decoder, prefill_dtype=prefill_dtype,
                          decoder_model=decoder_model)
-        self.front = super().front()
+        self.front = self.front_url()
         self.decoded_log = self.log("decoded-0")
 
     def pid(self, role: str) -> int:

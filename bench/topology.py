@@ -95,7 +95,7 @@ def run_row(name: str, args, text: str) -> dict:
     with topology:
         ready_s = time.monotonic() - started
         decoders = range(sum(name.startswith("decoded") for name in topology.ports))
-        clients = [Client(topology.front(i)) for i in decoders]
+        clients = [Client(topology.front_url(i)) for i in decoders]
         logs = [EngineLog(topology.log(f"decoded-{i}")) for i in decoders]
         prompts = [Prompts(clients[i], text, f"topology {name} {i}") for i in decoders]
         records = []
