@@ -81,8 +81,8 @@ def blocks(path: CachePath, hidden: np.ndarray, offset: int, block_tokens: int, 
     256 tokens run at a quarter of the rate of 8,192-token ones on MLX's CUDA backend); a token's
     rows do not depend on the tokens computed beside it (on the CPU, bit for bit), so the cut
     blocks are what one call per block gives. Not for a recurrent path (its state is needed after
-    every block); a cache that keeps fewer rows than the call's tokens (a window) is computed block
-    by block."""
+    every block). mlx-lm's caches keep every row of one call (a fresh sliding window too); should
+    one keep fewer, the blocks are computed one by one instead."""
     count = hidden.shape[0] // block_tokens
     if count > 1:
         rows = path.block(hidden, offset, streams)
