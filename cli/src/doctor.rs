@@ -242,8 +242,7 @@ async fn test_bridge(decoded: Channel, prefilld: Channel, decoder_addr: &str) ->
         request_id: format!("doctor-{nanos:x}"),
         token_ids: tokens,
         decoder_addr: decoder_addr.to_owned(),
-        first_block: None,
-        tail: false,
+        ..Default::default()
     };
     let started = std::time::Instant::now();
     let mut events = PrefillerClient::new(prefilld)

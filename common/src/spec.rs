@@ -6,7 +6,7 @@ use sha2::{Digest, Sha256};
 
 use crate::{
     block::{self, BlockKey},
-    proto::{CacheKind, CacheSpec, Dtype, LayerSpec},
+    proto::{CacheKind, CacheSpec, Dtype, LayerSpec, Payload},
     shard::Expected,
 };
 
@@ -57,6 +57,43 @@ pub fn rows_tensor(spec: &CacheSpec, layer: u32, name: &str, rows: u32) -> Optio
         *shape.get_mut(tensor.token_axis as usize)? = rows as u64;
     }
     Some(Expected { dtype: tensor.dtype(), shape })
+}
+
+/// A layer's tensor in a [`Payload::LayerInputs`] block: its attention input.
+pub const LAYER_INPUT: &str = "input";
+
+/// Tensor `name` of `layer` in a block of `rows` tokens as `payload` carries
+/// it: a cache tensor ([`rows_tensor`]), or a layer's input, `[rows,
+/// hidden_size]` in the decoder's activation dtype.
+pub fn payload_tensor(spec: &CacheSpec, payload: Payload, layer: u32, name: &str, rows: u32) -> Option<Expected> {
+    match payload {
+        Payload::Cache => rows_tensor(spec, layer, name, rows),
+        Payload::LayerInputs => (name == LAYER_INPUT && spec.layers.get(layer as usize)?.kind() == CacheKind::Rows)
+            .then(|| Expected { dtype: spec.input_dtype(), shape: vec![u64::from(rows), u64::from(spec.hidden_size)] }),
+    }
+}
+
+/// Tensors in one block as `payload` carries it.
+pub fn tensors_per_block(spec: &CacheSpec, payload: Payload) -> usize {
+    match payload {
+        Payload::Cache => spec.layers.iter().map(|l| l.tensors.len()).sum(),
+        Payload::LayerInputs => spec.layers.iter().filter(|l| l.kind() == CacheKind::Rows).count(),
+    }
+}
+
+/// Why `payload` cannot carry this spec's blocks; None when it can.
+pub fn payload_unsupported(spec: &CacheSpec, payload: Payload) -> Option<String> {
+    if payload == Payload::Cache {
+        return None;
+    }
+    if let Some(layer) = spec.layers.iter().find(|l| l.kind() == CacheKind::Snapshot) {
+        return Some(format!(
+            "layer {} keeps a recurrent state ({}), which chains every block before it: the decoder cannot \
+             compute it from one block's layer inputs",
+            layer.index, layer.cache_class
+        ));
+    }
+    (spec.input_dtype().size_bytes().is_none()).then(|| "the decoder's spec names no activation dtype".to_owned())
 }
 
 /// Whether a layer of the spec keeps a recurrent state ([`CacheKind::Snapshot`]).
@@ -152,9 +189,19 @@ pub fn bytes_per_token(spec: &CacheSpec) -> u64 {
     bytes_of(spec, CacheKind::Rows)
 }
 
-/// Bytes of one block of `rows` tokens: their rows plus every snapshot layer's state.
-pub fn block_bytes(spec: &CacheSpec, rows: u32) -> u64 {
-    u64::from(rows) * bytes_per_token(spec) + bytes_of(spec, CacheKind::Snapshot)
+/// Bytes of one block of `rows` tokens as `payload` carries it: the cache's
+/// rows plus every snapshot layer's state, or the layers' inputs.
+pub fn block_bytes(spec: &CacheSpec, payload: Payload, rows: u32) -> u64 {
+    match payload {
+        Payload::Cache => u64::from(rows) * bytes_per_token(spec) + bytes_of(spec, CacheKind::Snapshot),
+        Payload::LayerInputs => u64::from(rows) * layer_input_bytes_per_token(spec),
+    }
+}
+
+/// Bytes of layer inputs one token costs ([`Payload::LayerInputs`]).
+pub fn layer_input_bytes_per_token(spec: &CacheSpec) -> u64 {
+    let layers = tensors_per_block(spec, Payload::LayerInputs) as u64;
+    layers * u64::from(spec.hidden_size) * spec.input_dtype().size_bytes().unwrap_or(0) as u64
 }
 
 impl Dtype {
@@ -204,6 +251,8 @@ mod tests {
             model_id: "m".into(),
             num_layers: 2,
             block_tokens: 16,
+            hidden_size: 576,
+            input_dtype: Dtype::Bf16 as i32,
             layers: (0..2)
                 .map(|index| LayerSpec {
                     index,
@@ -267,7 +316,7 @@ mod tests {
         assert_eq!(rows_tensor(&spec, 0, "state1", 5).unwrap().shape, vec![1, 2, 8, 8]);
         assert_eq!(rows_tensor(&spec, 1, "keys", 5).unwrap().shape, vec![1, 3, 5, 64]);
         assert_eq!(bytes_per_token(&spec), 2 * 3 * 64 * 4);
-        assert_eq!(block_bytes(&spec, 16), 16 * 2 * 3 * 64 * 4 + (3 * 32 + 2 * 8 * 8) * 4);
+        assert_eq!(block_bytes(&spec, Payload::Cache, 16), 16 * 2 * 3 * 64 * 4 + (3 * 32 + 2 * 8 * 8) * 4);
         // 32 tokens: two whole blocks of rows, but with a state only one (the 32nd token is the decoder's).
         let tokens: Vec<u32> = (0..32).collect();
         assert_eq!(block_keys(&small_spec(), &tokens).len(), 2);
@@ -304,5 +353,27 @@ mod tests {
         assert!(block_tensor(&spec, 2, "keys").is_none());
         assert!(block_tensor(&spec, 0, "queries").is_none());
         assert_eq!(bytes_per_token(&spec), 2 * 2 * 3 * 64 * 4);
+    }
+
+    #[test]
+    fn layer_inputs_are_one_hidden_row_per_token_and_layer_in_the_activation_dtype() {
+        let spec = small_spec();
+        assert_eq!(payload_unsupported(&spec, Payload::LayerInputs), None);
+        let input = payload_tensor(&spec, Payload::LayerInputs, 1, LAYER_INPUT, 5).unwrap();
+        assert_eq!(input, Expected { dtype: Dtype::Bf16, shape: vec![5, 576] });
+        // A cache tensor is not a layer input, nor the other way round.
+        assert!(payload_tensor(&spec, Payload::LayerInputs, 1, "keys", 5).is_none());
+        assert!(payload_tensor(&spec, Payload::Cache, 1, LAYER_INPUT, 5).is_none());
+        assert!(payload_tensor(&spec, Payload::LayerInputs, 2, LAYER_INPUT, 5).is_none());
+        assert_eq!((tensors_per_block(&spec, Payload::Cache), tensors_per_block(&spec, Payload::LayerInputs)), (4, 2));
+        assert_eq!(block_bytes(&spec, Payload::LayerInputs, 16), 16 * 2 * 576 * 2);
+        assert_eq!(block_bytes(&spec, Payload::Cache, 16), 16 * bytes_per_token(&spec));
+        // A recurrent state chains blocks: the decoder cannot compute it from one block's inputs.
+        let refused = payload_unsupported(&hybrid_spec(), Payload::LayerInputs).unwrap();
+        assert!(refused.starts_with("layer 0 keeps a recurrent state (ArraysCache)"), "{refused}");
+        assert_eq!(payload_unsupported(&hybrid_spec(), Payload::Cache), None);
+        let mut undeclared = spec.clone();
+        undeclared.input_dtype = Dtype::Unspecified as i32;
+        assert!(payload_unsupported(&undeclared, Payload::LayerInputs).unwrap().contains("activation dtype"));
     }
 }

@@ -4,6 +4,7 @@ use std::{collections::BTreeMap, net::SocketAddr, path::PathBuf, time::Duration}
 
 use pdbridge_common::{
     config::{ConfigError, LogConfig, ServerConfig, Validate},
+    proto::Payload,
     tls::{self, TlsConfig},
 };
 use serde::Deserialize;
@@ -280,6 +281,13 @@ pub struct FrontConfig {
     pub advertise_addr: Option<String>,
     /// Bridge at all (false: every answer is native, reason `disabled`).
     pub bridge: bool,
+    /// Where a bridged block's cache is computed: `prefiller` (prefilld
+    /// ships the cache, computed there with this decoder's code on the
+    /// prefiller's backend: another backend's kernels round differently) or
+    /// `decoder` (prefilld ships each layer's input and this decoder computes
+    /// its cache with its own kernels: its exact bits, several times the
+    /// bytes on the wire, and the decoder's time).
+    pub reconstruct_on: ReconstructOn,
     /// Smallest uncached run of whole blocks, in tokens, worth bridging.
     pub min_bridge_tokens: u32,
     /// `max_tokens` when a request gives none.
@@ -312,12 +320,32 @@ impl Default for FrontConfig {
             max_body_bytes: 16 << 20,
             advertise_addr: None,
             bridge: true,
+            reconstruct_on: ReconstructOn::Prefiller,
             min_bridge_tokens: 256,
             default_max_tokens: 256,
             prefill_deadline_base: Duration::from_secs(60),
             prefill_deadline_per_1k_tokens: Duration::from_secs(30),
             max_pending_requests: 64,
             request_timeout: Duration::from_secs(900),
+        }
+    }
+}
+
+/// Where a bridged block's cache is computed (`front.reconstruct_on`).
+#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum ReconstructOn {
+    #[default]
+    Prefiller,
+    Decoder,
+}
+
+impl ReconstructOn {
+    /// What prefilld pushes for it.
+    pub fn payload(self) -> Payload {
+        match self {
+            ReconstructOn::Prefiller => Payload::Cache,
+            ReconstructOn::Decoder => Payload::LayerInputs,
         }
     }
 }

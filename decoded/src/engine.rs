@@ -79,6 +79,8 @@ struct SpecJson {
     block_tokens: u32,
     layers: Vec<LayerJson>,
     decoder_code: DecoderCodeJson,
+    /// The activation dtype layer inputs are cast to ("F32", "BF16", …).
+    input_dtype: String,
 }
 
 #[derive(Debug, Deserialize)]
@@ -264,6 +266,11 @@ impl Engine {
         self.info.borrow().clone().ok_or(EngineError::NotReady)
     }
 
+    /// Whether there is an engine to compute with (not a fixed spec alone).
+    pub fn can_compute(&self) -> Result<(), EngineError> {
+        self.socket().map(drop)
+    }
+
     fn socket(&self) -> Result<&Path, EngineError> {
         self.socket.as_deref().ok_or(EngineError::SpecOnly)
     }
@@ -297,6 +304,19 @@ impl Engine {
         }
         let lines = request(self.socket()?, &Req { op: "generate", req }).await?;
         Ok(Generation { lines, finished: false, first: None })
+    }
+
+    /// Computes the decoder's cache for the layer inputs in the safetensors
+    /// file `inputs` (`"{layer}.input"`, `[rows, hidden_size]`, the tokens at
+    /// positions `offset..offset + rows`) with its own modules and kernels,
+    /// and writes its tensors (`"{layer}.{tensor}"`) to `out`.
+    pub async fn reconstruct(&self, inputs: &Path, offset: u64, out: &Path) -> Result<(), EngineError> {
+        self.info()?;
+        #[derive(Deserialize)]
+        struct Reply {}
+        let body = serde_json::json!({"op": "reconstruct", "inputs": inputs, "offset": offset, "out": out});
+        let mut lines = request(self.socket()?, &body).await?;
+        next_reply::<Reply>(&mut lines).await.map(drop)
     }
 }
 
@@ -364,6 +384,10 @@ async fn next_reply<T: for<'de> Deserialize<'de>>(
     serde_json::from_str(&line).map_err(|e| EngineError::Protocol(format!("{e}: {line}")))
 }
 
+fn dtype_of(name: &str) -> Result<Dtype, EngineError> {
+    Dtype::from_safetensors_name(name).ok_or_else(|| EngineError::Protocol(format!("unknown dtype {name}")))
+}
+
 fn to_spec(reply: InfoReply) -> Result<EngineInfo, EngineError> {
     let s = reply.spec;
     let layers = s
@@ -374,8 +398,7 @@ fn to_spec(reply: InfoReply) -> Result<EngineInfo, EngineError> {
                 .tensors
                 .into_iter()
                 .map(|t| {
-                    let dtype = Dtype::from_safetensors_name(&t.dtype)
-                        .ok_or_else(|| EngineError::Protocol(format!("unknown dtype {}", t.dtype)))?;
+                    let dtype = dtype_of(&t.dtype)?;
                     Ok(TensorSpec { name: t.name, dtype: dtype as i32, shape: t.shape, token_axis: t.token_axis })
                 })
                 .collect::<Result<Vec<_>, EngineError>>()?;
@@ -426,6 +449,7 @@ fn to_spec(reply: InfoReply) -> Result<EngineInfo, EngineError> {
             mlx: s.decoder_code.mlx,
             mlx_lm: s.decoder_code.mlx_lm,
         }),
+        input_dtype: dtype_of(&s.input_dtype)? as i32,
     };
     spec.spec_fingerprint = spec::fingerprint(&spec);
     Ok(EngineInfo { spec, bundle_path: reply.bundle_path })

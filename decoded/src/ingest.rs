@@ -19,13 +19,17 @@ use tokio::task::JoinSet;
 
 use pdbridge_common::{
     block::{self, BlockKey},
-    proto::{self, CacheSpec, Dtype, PushOpen, PushReceipt, PushSeal, Shard},
+    proto::{self, CacheSpec, Payload, PushOpen, PushReceipt, PushSeal, Shard},
     reason::Reason,
     shard::{ShardError, TensorAssembly},
     spec,
 };
 
-use crate::store::{BlockIdentity, BlockTensor, Store, StoreError};
+use crate::{
+    engine::{Engine, EngineError},
+    reconstruct::{self, ReconstructError},
+    store::{BlockIdentity, BlockTensor, Store, StoreError, safetensors_dtype},
+};
 
 #[derive(Debug, thiserror::Error)]
 pub enum IngestError {
@@ -45,6 +49,14 @@ pub enum IngestError {
         "a tail of {tail_tokens} tokens must be shorter than a block and end before the last of {prompt_tokens} tokens"
     )]
     BadTail { tail_tokens: u32, prompt_tokens: usize },
+    #[error("payload {0} is not a Payload")]
+    UnknownPayload(i32),
+    #[error("layer inputs: {0}")]
+    PayloadUnsupported(String),
+    #[error("layer inputs need the decode engine: {0}")]
+    NoEngine(EngineError),
+    #[error("block {block}: {source}")]
+    Reconstruct { block: u32, source: ReconstructError },
     #[error("store: {0}")]
     Store(#[from] StoreError),
 }
@@ -65,6 +77,9 @@ pub struct Ingest {
     keys: Vec<BlockKey>,
     first_block: u32,
     max_open_blocks: usize,
+    payload: Payload,
+    /// Computes each block's cache from its layer inputs (`Payload::LayerInputs`).
+    engine: Option<Engine>,
     tensors_per_block: usize,
     open: HashMap<u32, OpenBlock>,
     /// Blocks handed to the store whose commit has not been reaped yet.
@@ -79,22 +94,36 @@ pub struct Ingest {
 }
 
 impl Ingest {
+    /// `engine` computes the cache of a stream of layer inputs.
     pub fn open(
         spec: Arc<CacheSpec>,
         store: Arc<Store>,
         open: PushOpen,
         max_open_blocks: usize,
+        engine: Option<Engine>,
     ) -> Result<Self, IngestError> {
         if open.spec_fingerprint != spec.spec_fingerprint {
             return Err(IngestError::SpecMismatch { got: open.spec_fingerprint, want: spec.spec_fingerprint.clone() });
         }
+        let payload = Payload::try_from(open.payload).map_err(|_| IngestError::UnknownPayload(open.payload))?;
+        let engine = match payload {
+            Payload::Cache => None,
+            Payload::LayerInputs => {
+                if let Some(problem) = spec::payload_unsupported(&spec, payload) {
+                    return Err(IngestError::PayloadUnsupported(problem));
+                }
+                let engine = engine.ok_or(IngestError::NoEngine(EngineError::NotReady))?;
+                engine.can_compute().map_err(IngestError::NoEngine)?;
+                Some(engine)
+            }
+        };
         let keys = spec::block_keys(&spec, &open.token_ids);
         // A tail is shorter than a block and leaves the prompt's last token to the decoder.
         let tail_end = keys.len() * spec.block_tokens as usize + open.tail_tokens as usize;
         if open.tail_tokens >= spec.block_tokens || (open.tail_tokens > 0 && tail_end >= open.token_ids.len()) {
             return Err(IngestError::BadTail { tail_tokens: open.tail_tokens, prompt_tokens: open.token_ids.len() });
         }
-        let tensors_per_block = spec.layers.iter().map(|l| l.tensors.len()).sum();
+        let tensors_per_block = spec::tensors_per_block(&spec, payload);
         Ok(Ingest {
             spec,
             store,
@@ -103,6 +132,8 @@ impl Ingest {
             keys,
             first_block: open.first_block,
             max_open_blocks,
+            payload,
+            engine,
             tensors_per_block,
             open: HashMap::new(),
             committing: JoinSet::new(),
@@ -138,7 +169,7 @@ impl Ingest {
         if self.complete.contains(&block) {
             return Err(IngestError::AlreadyCommitted { block });
         }
-        let expected = spec::rows_tensor(&self.spec, shard.layer, &shard.tensor, self.rows(block))
+        let expected = spec::payload_tensor(&self.spec, self.payload, shard.layer, &shard.tensor, self.rows(block))
             .ok_or_else(|| IngestError::UnknownTensor { layer: shard.layer, tensor: shard.tensor.clone() })?;
         let shard_err = |source| IngestError::Shard { block, layer: shard.layer, tensor: shard.tensor.clone(), source };
         expected.check(&shard).map_err(shard_err)?;
@@ -191,7 +222,8 @@ impl Ingest {
             .tensors
             .into_iter()
             .map(|((layer, name), assembly)| {
-                let expected = spec::rows_tensor(&self.spec, layer, &name, rows).expect("checked on arrival");
+                let expected =
+                    spec::payload_tensor(&self.spec, self.payload, layer, &name, rows).expect("checked on arrival");
                 BlockTensor {
                     name: format!("{layer}.{name}"),
                     dtype: safetensors_dtype(expected.dtype),
@@ -202,20 +234,27 @@ impl Ingest {
             .collect();
         let store = self.store.clone();
         self.complete.insert(block);
-        self.committing.spawn_blocking(move || {
+        let commit = move |store: Arc<Store>, identity: BlockIdentity, tensors: Vec<BlockTensor>| {
             let bytes =
                 if tail { store.commit_tail(&identity, &tensors)? } else { store.commit(&identity, &tensors)? };
             Ok((block, bytes))
+        };
+        let Some(engine) = self.engine.clone() else {
+            self.committing.spawn_blocking(move || commit(store, identity, tensors));
+            return;
+        };
+        let spec = self.spec.clone();
+        self.committing.spawn(async move {
+            let cache = reconstruct::cache_from_inputs(&engine, &store, &spec, &identity, tensors)
+                .await
+                .map_err(|source| IngestError::Reconstruct { block, source })?;
+            tokio::task::spawn_blocking(move || commit(store, identity, cache)).await.map_err(join_error)?
         });
     }
 
     /// Accounts for one finished commit.
     fn reap(&mut self, done: Result<Committed, tokio::task::JoinError>) -> Result<(), IngestError> {
-        let (block, bytes) = done.map_err(|e| StoreError::Io {
-            op: "commit",
-            path: Default::default(),
-            source: std::io::Error::other(e),
-        })??;
+        let (block, bytes) = done.map_err(join_error)??;
         self.bytes += bytes;
         if block as usize == self.keys.len() {
             self.tail_committed = true;
@@ -273,13 +312,6 @@ impl Drop for Ingest {
     }
 }
 
-fn safetensors_dtype(dtype: Dtype) -> safetensors::Dtype {
-    match dtype {
-        Dtype::F32 => safetensors::Dtype::F32,
-        Dtype::F16 => safetensors::Dtype::F16,
-        Dtype::Bf16 => safetensors::Dtype::BF16,
-        Dtype::U32 => safetensors::Dtype::U32,
-        Dtype::I32 => safetensors::Dtype::I32,
-        Dtype::U8 | Dtype::Unspecified => safetensors::Dtype::U8,
-    }
+fn join_error(e: tokio::task::JoinError) -> StoreError {
+    StoreError::Io { op: "commit", path: Default::default(), source: std::io::Error::other(e) }
 }

@@ -8,6 +8,7 @@ pub mod front;
 pub mod inflight;
 pub mod ingest;
 pub mod openai;
+pub mod reconstruct;
 pub mod service;
 pub mod store;
 
@@ -184,6 +185,11 @@ fn register_metrics() {
         metrics::describe_counter!(name, help);
         metrics::counter!(name).absolute(0);
     }
+    metrics::describe_histogram!(
+        "pdbridge_reconstruct_seconds",
+        metrics::Unit::Seconds,
+        "The decoder computing one pushed block's cache from its layer inputs."
+    );
     metrics::describe_counter!("pdbridge_store_lookups_total", "Prefix lookups, by hit or miss.");
     for outcome in ["hit", "miss"] {
         metrics::counter!("pdbridge_store_lookups_total", "outcome" => outcome).absolute(0);

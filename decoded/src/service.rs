@@ -21,6 +21,7 @@ use crate::{
     config::StoreConfig,
     engine::{Engine, EngineError, EngineInfo},
     ingest::{Ingest, IngestError},
+    reconstruct::ReconstructError,
     store::{Store, StoreError},
 };
 
@@ -105,8 +106,15 @@ pub fn status_of(err: &ServiceError) -> Status {
             IngestError::TooManyOpenBlocks { .. } => Code::ResourceExhausted,
             IngestError::Store(StoreError::TooLarge { .. } | StoreError::NoSpace { .. }) => Code::ResourceExhausted,
             IngestError::Store(_) => Code::Internal,
+            IngestError::NoEngine(EngineError::NotReady) => Code::Unavailable,
+            IngestError::NoEngine(_) | IngestError::PayloadUnsupported(_) => Code::FailedPrecondition,
+            IngestError::Reconstruct { source: ReconstructError::Engine(EngineError::NotReady), .. } => {
+                Code::Unavailable
+            }
+            IngestError::Reconstruct { .. } => Code::Internal,
             IngestError::BadTail { .. }
             | IngestError::BlockOutOfRange { .. }
+            | IngestError::UnknownPayload(_)
             | IngestError::UnknownTensor { .. }
             | IngestError::Shard { .. }
             | IngestError::AlreadyCommitted { .. } => Code::InvalidArgument,
@@ -197,8 +205,8 @@ impl CacheStore for CacheStoreService {
         spec::check_tokens(&info.spec, &open.token_ids)
             .map_err(|problem| status_of(&ServiceError::BadTokens(problem)))?;
         let spec = Arc::new(info.spec.clone());
-        let mut ingest =
-            Ingest::open(spec, self.store.clone(), open, self.max_open_blocks).map_err(|e| status_of(&e.into()))?;
+        let mut ingest = Ingest::open(spec, self.store.clone(), open, self.max_open_blocks, self.engine.clone())
+            .map_err(|e| status_of(&e.into()))?;
         let _in_flight = telemetry::InFlight::enter("pdbridge_push_streams_in_flight");
         let received = receive(&mut frames, &mut ingest).await;
         // Whatever ended the stream, blocks that arrived whole still land;

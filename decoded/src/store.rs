@@ -22,7 +22,10 @@ use std::{
 };
 
 use bytes::Bytes;
-use pdbridge_common::block::{self, BlockKey};
+use pdbridge_common::{
+    block::{self, BlockKey},
+    proto::Dtype,
+};
 use safetensors::{Dtype as StDtype, tensor::Metadata};
 use sha2::{Digest, Sha256};
 
@@ -391,15 +394,18 @@ impl Store {
         Ok(bytes)
     }
 
+    /// A unique path under `tmp/` for work on block `key` (the file is removed
+    /// when the handle drops; opening the store clears what a crash left).
+    pub fn temp_file(&self, key: &BlockKey, suffix: &str) -> TempFile {
+        let serial = self.next_temp.fetch_add(1, Ordering::Relaxed);
+        let name = format!("{}.{}.{serial}.{suffix}", key.to_hex(), std::process::id());
+        TempFile(Some(self.root.join("tmp").join(name)))
+    }
+
     /// The block file of `identity` in a unique temp file (removed if dropped).
     fn serialize_to_temp(&self, identity: &BlockIdentity, tensors: &[BlockTensor]) -> Result<TempFile, StoreError> {
         let key = identity.key;
-        let serial = self.next_temp.fetch_add(1, Ordering::Relaxed);
-        let tmp = TempFile(Some(self.root.join("tmp").join(format!(
-            "{}.{}.{serial}.partial",
-            key.to_hex(),
-            std::process::id()
-        ))));
+        let tmp = self.temp_file(&key, "partial");
         let mut metadata = identity.to_metadata();
         metadata.insert(DATA_SHA256.to_owned(), data_digest(tensors));
         safetensors::serialize_to_file(tensors.iter().map(|t| (t.name.as_str(), t)), Some(metadata), tmp.path())
@@ -516,10 +522,11 @@ fn data_digest(tensors: &[BlockTensor]) -> String {
 
 /// A temp file removed on drop unless it was renamed into place, so no
 /// error path leaves one behind.
-struct TempFile(Option<PathBuf>);
+/// A file under the store's `tmp/`, removed when dropped unless renamed.
+pub struct TempFile(Option<PathBuf>);
 
 impl TempFile {
-    fn path(&self) -> &Path {
+    pub fn path(&self) -> &Path {
         self.0.as_deref().expect("a temp file has its path until renamed")
     }
 
@@ -649,6 +656,18 @@ fn verify_file(path: &Path) -> Result<(BlockKey, u64, std::time::SystemTime), St
     }
     let modified = stat.modified().unwrap_or(std::time::UNIX_EPOCH);
     Ok((named, stat.len(), modified))
+}
+
+/// The safetensors element type of a spec dtype.
+pub fn safetensors_dtype(dtype: Dtype) -> StDtype {
+    match dtype {
+        Dtype::F32 => StDtype::F32,
+        Dtype::F16 => StDtype::F16,
+        Dtype::Bf16 => StDtype::BF16,
+        Dtype::U32 => StDtype::U32,
+        Dtype::I32 => StDtype::I32,
+        Dtype::U8 | Dtype::Unspecified => StDtype::U8,
+    }
 }
 
 #[cfg(test)]

@@ -8,7 +8,7 @@ use std::{collections::BTreeMap, sync::Arc, time::Duration};
 use bytes::Bytes;
 use pdbridge_common::{
     proto::{
-        Dtype, LookupRequest, Outcome, PrefillEvent, Progress, PushFrame, PushOpen, PushReceipt, PushSeal,
+        Dtype, LookupRequest, Outcome, Payload, PrefillEvent, Progress, PushFrame, PushOpen, PushReceipt, PushSeal,
         outcome::Status as OutcomeStatus, prefill_event::Event, push_frame::Frame,
     },
     reason::Reason,
@@ -73,6 +73,8 @@ pub struct Job {
     pub first_block: Option<u32>,
     /// Also bridge the prompt's tail, all but its last token (`PrefillRequest.tail`).
     pub tail: bool,
+    /// What the blocks carry: the decoder's cache, or its layers' inputs.
+    pub payload: Payload,
     /// The plugin's messages for `request_id`, reserved for this job alone.
     pub registration: Registration,
 }
@@ -132,6 +134,9 @@ impl Bridge {
     async fn bridge(&self, job: &mut Job, events: &mpsc::Sender<PrefillEvent>) -> Result<Outcome, Failure> {
         let decoder = self.decoders.get(&job.decoder_addr).await.map_err(|e| fail(e.reason(), e.to_string()))?;
         spec::check_tokens(&decoder.spec, &job.token_ids).map_err(|problem| fail(Reason::BadRequest, problem))?;
+        if let Some(problem) = spec::payload_unsupported(&decoder.spec, job.payload) {
+            return Err(fail(Reason::UnsupportedModel, format!("layer inputs: {problem}")));
+        }
         let b = decoder.spec.block_tokens;
         let whole_blocks = spec::storable(&decoder.spec, &job.token_ids).len() as u32 / b;
         let first_block = match job.first_block {
@@ -152,7 +157,7 @@ impl Bridge {
         let tail_tokens = if job.tail { (job.token_ids.len() as u32 - 1).saturating_sub(whole_blocks * b) } else { 0 };
         let prompt = &job.token_ids[..(whole_blocks * b + tail_tokens) as usize];
         let registration = &mut job.registration;
-        registration.expect_blocks(spec::block_bytes(&decoder.spec, b) as usize);
+        registration.expect_blocks(spec::block_bytes(&decoder.spec, job.payload, b) as usize);
 
         // The Push streams to the decoder, fed as blocks arrive.
         let open = PushOpen {
@@ -161,6 +166,7 @@ impl Bridge {
             token_ids: job.token_ids.clone(),
             first_block,
             tail_tokens,
+            payload: job.payload as i32,
         };
         let mut stripes = Stripes::open(&decoder, open, self.stream.queue_frames).await?;
 
@@ -176,6 +182,10 @@ impl Bridge {
             "from_block": if spec::has_snapshots(&decoder.spec) { 0 } else { first_block },
             "num_blocks": num_blocks,
             "tail_tokens": tail_tokens,
+            "payload": match job.payload {
+                Payload::Cache => "cache",
+                Payload::LayerInputs => "layer_inputs",
+            },
         });
         let vllm = self.vllm.clone();
         let prompt_owned = prompt.to_vec();

@@ -4,7 +4,7 @@
 use std::{pin::Pin, sync::Arc};
 
 use pdbridge_common::{
-    proto::{PrefillEvent, PrefillRequest, prefiller_server::Prefiller},
+    proto::{Payload, PrefillEvent, PrefillRequest, prefiller_server::Prefiller},
     request_id,
     tls::Peers,
 };
@@ -64,6 +64,8 @@ impl Prefiller for PrefillerService {
         if request.token_ids.is_empty() {
             return Err(refuse(Status::invalid_argument("token_ids is empty")));
         }
+        let payload = Payload::try_from(request.payload)
+            .map_err(|_| refuse(Status::invalid_argument(format!("payload {} is not a Payload", request.payload))))?;
         let request_id = if request.request_id.is_empty() {
             request_id::new("pf")
         } else if request_id::is_valid(&request.request_id) {
@@ -86,6 +88,7 @@ impl Prefiller for PrefillerService {
             decoder_addr,
             first_block: request.first_block,
             tail: request.tail,
+            payload,
             registration,
         };
         let (tx, rx) = mpsc::channel(16);

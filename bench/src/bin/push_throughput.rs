@@ -256,6 +256,7 @@ impl Run<'_> {
             token_ids: tokens,
             first_block: 0,
             tail_tokens: 0,
+            ..Default::default()
         };
         let decoded_cpu_before = cpu_seconds(decoded.pid() as u32);
         let client_cpu_before = cpu_seconds(std::process::id());

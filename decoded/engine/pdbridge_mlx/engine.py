@@ -103,7 +103,7 @@ class Engine:
         load_ms = ms(t0)
 
         layer_specs = self._probe_cache(kinds.decoder_caches(self.model, kv_bits, kv_group_size))
-        self.spec = self._make_spec(model_id or self.model_dir.name, layer_specs)
+        self.spec = self._make_spec(model_id or self.model_dir.name, layer_specs, dtype)
         bridged = [l["index"] for l in layer_specs if l["kind"] != kinds.UNSUPPORTED]
         # A recurrent state cannot be rewound: no stored block may end with a prompt's last token.
         self.recurrent = any(l["kind"] == kinds.SNAPSHOT for l in layer_specs)
@@ -156,7 +156,7 @@ class Engine:
                 spec["rope"] = rope
         return layers
 
-    def _make_spec(self, model_id: str, layers: list[dict]) -> dict:
+    def _make_spec(self, model_id: str, layers: list[dict], dtype: mx.Dtype) -> dict:
         cfg = self.config
         heads = int(cfg["num_attention_heads"])
         architectures = cfg.get("architectures") or [cfg["model_type"]]
@@ -173,6 +173,8 @@ class Engine:
             "block_tokens": self.block_tokens,
             "layers": layers,
             "decoder_code": {"model_type": str(cfg["model_type"]), **versions()},
+            # A layer's input is cast to it before its cache path: layer inputs travel in it.
+            "input_dtype": dtype_name(dtype),
         }
 
     def _tokenizer_sha256(self) -> str:
@@ -341,6 +343,37 @@ class Engine:
             "files": files,
             "timings_ms": {"prefill": prefill_ms, "write": ms(t_write)},
         }
+
+    def reconstruct(self, req: dict) -> dict:
+        """The decoder's cache for a block's layer inputs, computed here with the decoder's own
+        modules and kernels (exact on this backend by construction): reads `inputs` (a safetensors
+        file of `"{layer}.input"`, [rows, hidden] in the activation dtype, tokens at `offset`..),
+        writes the cache tensors (`"{layer}.{tensor}"`) to `out`."""
+        if self.recurrent:
+            raise BadRequest("a recurrent state chains every block before it: it cannot be computed "
+                             "from one block's layer inputs")
+        paths = [req.get(k) for k in ("inputs", "out")]
+        if not all(isinstance(p, str) and p for p in paths):
+            raise BadRequest("inputs and out must be paths")
+        offset = parse_int(req, "offset", None, lo=0)
+        start = time.perf_counter()
+        try:
+            arrays = mx.load(paths[0])
+        except Exception as e:  # a missing or damaged file
+            raise BadRequest(f"inputs {paths[0]}: {e}") from None
+        path = self.cache_path
+        expected = {f"{layer}.input" for layer in path.layers}
+        if set(arrays) != expected:
+            raise BadRequest(f"inputs hold {sorted(arrays)[:4]}..., expected one 'input' per bridged layer")
+        first = arrays[f"{path.layers[0]}.input"]
+        for name, a in arrays.items():
+            if a.ndim != 2 or a.shape != first.shape or a.shape[1] != path.hidden_size or a.dtype != path.dtype:
+                raise BadRequest(f"{name} is {_dtype_str(a.dtype)} {list(a.shape)}, expected "
+                                 f"{_dtype_str(path.dtype)} [rows, {path.hidden_size}]")
+        hidden = mx.stack([arrays[f"{layer}.input"] for layer in path.layers], axis=1)
+        rows = path.block(hidden, offset)
+        write_atomic(paths[1], serialize([(f"{layer}.{name}", a) for layer, name, a in rows], {}))
+        return {"rows": int(first.shape[0]), "timings_ms": {"reconstruct": ms(start)}}
 
     # ------------------------------------------------------------------ helpers
 

@@ -212,7 +212,11 @@ class Handler:
             _send(conn, reply)
             t = reply["timings_ms"]
             return f"tokens={len(req['tokens'])} blocks={reply['blocks']} prefill_ms={t['prefill']} write_ms={t['write']} "
-        raise BadRequest(f"unknown op {op!r} (expected info, tokenize, generate or export)")
+        if op == "reconstruct":
+            reply = self.model_thread.call(self.engine.reconstruct, req)
+            _send(conn, reply)
+            return f"offset={req.get('offset')} rows={reply['rows']} reconstruct_ms={reply['timings_ms']['reconstruct']} "
+        raise BadRequest(f"unknown op {op!r} (expected info, tokenize, generate, export or reconstruct)")
 
     @staticmethod
     def _send_error(conn: socket.socket, message: str, kind: str, **extra) -> None:

@@ -157,6 +157,7 @@ class AdapterTest(unittest.TestCase):
     def test_info_spec(self):
         spec = self.info["spec"]
         self.assertEqual(spec["architecture"], "LlamaForCausalLM")
+        self.assertEqual(spec["input_dtype"], "F32")
         self.assertEqual(
             {k: spec[k] for k in ("num_layers", "num_attention_heads", "num_kv_heads", "head_dim",
                                   "hidden_size", "vocab_size", "max_context", "block_tokens")},
@@ -388,6 +389,35 @@ class AdapterTest(unittest.TestCase):
         Path(truncated).write_bytes(bytes(data[: len(data) // 2]))
         lines = self.adapter.request({"op": "generate", "tokens": self.tokens, "blocks": [truncated]})
         self.assert_block_unusable(lines, 0, "not a readable safetensors file")
+
+    def test_reconstruct_from_the_decoders_layer_inputs_is_its_exported_cache(self):
+        """Given its own layer inputs for block 1 (RoPE offset 16), the reconstruct op writes the
+        cache the adapter exports for that block, bit for bit; malformed inputs are refused."""
+        import mlx.core as mx
+        import numpy as np
+
+        sys.path.insert(0, str(ROOT / "prefilld" / "engine" / "tests"))
+        import support  # the decoder's own layer inputs, captured from mlx-lm's prefill
+
+        _, hidden = support.decoder_native_cache(self.tokens)
+        rows = hidden[BLOCK:2 * BLOCK]
+        layers = [layer["index"] for layer in self.info["spec"]["layers"]]
+        inputs, out = (os.path.join(self.tmp.name, name) for name in ("inputs.safetensors", "cache.safetensors"))
+        mx.save_safetensors(inputs, {f"{i}.input": mx.array(rows[:, i, :]) for i in layers})
+        reply = self.adapter.request({"op": "reconstruct", "inputs": inputs, "offset": BLOCK, "out": out})
+        self.assertEqual(reply[-1].get("rows"), BLOCK, reply)
+        got, want = mx.load(out), mx.load(self.export["files"][1])
+        self.assertEqual(set(got), set(want))
+        for name, a in want.items():
+            self.assertTrue(np.array_equal(np.array(got[name]).view(np.uint32), np.array(a).view(np.uint32)), name)
+
+        mx.save_safetensors(inputs, {f"{i}.input": mx.array(rows[:, i, :]) for i in layers[1:]})
+        self.assert_bad_request(self.adapter.request({"op": "reconstruct", "inputs": inputs, "offset": 0, "out": out}),
+                                "one 'input' per bridged layer")
+        mx.save_safetensors(inputs, {f"{i}.input": mx.array(rows[:, i, :]).astype(mx.float16) for i in layers})
+        self.assert_bad_request(self.adapter.request({"op": "reconstruct", "inputs": inputs, "offset": 0, "out": out}),
+                                "expected F32")
+        self.assert_bad_request(self.adapter.request({"op": "reconstruct", "inputs": inputs, "out": out}), "offset")
 
     def test_bad_requests(self):
         self.assert_bad_request(self.adapter.request(b"{not json\n"), "not JSON")

@@ -12,7 +12,7 @@ use std::{
 
 use pdbridge_common::{
     proto::{
-        Outcome, PrefillRequest, outcome::Status as OutcomeStatus, prefill_event::Event as PrefillEventKind,
+        Outcome, Payload, PrefillRequest, outcome::Status as OutcomeStatus, prefill_event::Event as PrefillEventKind,
         prefiller_client::PrefillerClient,
     },
     reason::Reason,
@@ -39,6 +39,8 @@ pub struct Prefiller {
     upstreams: Vec<Arc<Upstream>>,
     /// How prefilld reaches this decoder's CacheStore (one of its `[[decoders]]`).
     advertise_addr: String,
+    /// What prefilld pushes: the cache, or the layers' inputs to compute it from.
+    payload: Payload,
     deadline_base: Duration,
     deadline_per_1k_tokens: Duration,
 }
@@ -106,6 +108,7 @@ impl Prefiller {
         Prefiller {
             upstreams,
             advertise_addr,
+            payload: config.reconstruct_on.payload(),
             deadline_base: config.prefill_deadline_base,
             deadline_per_1k_tokens: config.prefill_deadline_per_1k_tokens,
         }
@@ -157,6 +160,7 @@ impl Prefiller {
             decoder_addr: self.advertise_addr.clone(),
             first_block: Some(first_block),
             tail: true,
+            payload: self.payload as i32,
         };
         let mut bytes_sent = 0;
         let run = async {

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 
+import mlx.core as mx
 import numpy as np
 from pdbridge_cache.kinds import TOKEN_AXIS
 from pdbridge_cache.layers import BundleError as CodecBundleError
@@ -22,6 +23,9 @@ from pdbridge_cache.layers import CachePath
 from pdbridge_cache.safetensors_io import dtype_name, tensor_bytes
 
 from . import protocol
+
+# A layer's tensor in a block of layer inputs (the decoder names it so).
+LAYER_INPUT = "input"
 
 
 class BundleError(Exception):
@@ -95,6 +99,16 @@ def blocks(path: CachePath, hidden: np.ndarray, offset: int, block_tokens: int, 
             return out
     return [block(path, hidden[k * block_tokens:(k + 1) * block_tokens], offset + k * block_tokens, streams)
             for k in range(count)]
+
+
+def layer_inputs(path: CachePath, hidden: np.ndarray):
+    """One block's layer inputs for the wire, for a decoder that computes its cache itself
+    (`hidden`: float32 [T, len(path.layers), hidden]): each layer's cast to the decoder's
+    activation dtype, the cast its cache path starts with, so from them the decoder computes what
+    `block` would on its backend. Returns (tensor headers, payload parts) as `block` does."""
+    inputs = [(layer, LAYER_INPUT, mx.array(hidden[:, j, :]).astype(path.dtype)) for j, layer in enumerate(path.layers)]
+    mx.eval([a for _, _, a in inputs])
+    return _wire(inputs)
 
 
 def _wire(rows: list) -> tuple[list, list]:

@@ -27,6 +27,9 @@ from . import protocol
 
 logger = logging.getLogger("vllm.pdbridge_vllm")
 
+# What a request's blocks carry (`payload` of its params).
+CACHE, LAYER_INPUTS = "cache", "layer_inputs"
+
 
 @dataclass
 class BridgeParams:
@@ -47,6 +50,9 @@ class BridgeParams:
     # recurrent layer, whose state after a block scans every block before it. Blocks before
     # `first_block` (the decoder has them) only advance the state; they are not sent.
     from_block: int | None = None
+    # What a block carries: the decoder's cache, or its layers' inputs (the decoder computes the
+    # cache itself, exact on its own backend).
+    payload: str = CACHE
 
     @classmethod
     def parse(cls, raw: Any) -> BridgeParams:
@@ -64,6 +70,7 @@ class BridgeParams:
                 num_blocks=int(raw["num_blocks"]),
                 tail_tokens=int(raw.get("tail_tokens") or 0),
                 from_block=int(raw.get("from_block", raw["first_block"])),
+                payload=str(raw.get("payload") or CACHE),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"bad pdbridge params: {e!r}") from None
@@ -73,6 +80,8 @@ class BridgeParams:
             raise ValueError("from_block must be in [0, first_block]")
         if not 0 <= p.tail_tokens < p.block_tokens:
             raise ValueError("tail_tokens must be in [0, block_tokens)")
+        if p.payload not in (CACHE, LAYER_INPUTS):
+            raise ValueError(f"payload must be {CACHE!r} or {LAYER_INPUTS!r}, not {p.payload!r}")
         return p
 
     @property
@@ -273,6 +282,9 @@ class Streamer:
             return
         hidden = hidden[:, [self._capture_layer_ids.index(lay) for lay in path.layers], :]
         B = stream.params.block_tokens
+        if stream.params.payload == LAYER_INPUTS:
+            self._emit_layer_inputs(stream, path, first_index, hidden, tail)
+            return
         if tail or path.recurrent or hidden.shape[0] <= B:
             for k in range(1 if tail else hidden.shape[0] // B):
                 self._emit_block(stream, path, first_index + k, hidden[k * B:(k + 1) * B], tail)
@@ -286,6 +298,21 @@ class Streamer:
         stream.reconstruct_ms += (time.perf_counter() - t0) * 1e3
         for k, (tensors, payload) in enumerate(wire):
             self._send_block(stream, first_index + k, tensors, payload, tail=False)
+
+    def _emit_layer_inputs(self, stream: RequestStream, path, first_index: int, hidden: np.ndarray,
+                           tail: bool) -> None:
+        from . import reconstruct
+
+        if path.recurrent:
+            self._fail(stream, protocol.BAD_PARAMS, "layer inputs cannot carry a recurrent state: the decoder "
+                       "would need every block before the first it is sent")
+            return
+        B = stream.params.block_tokens
+        for k in range(1 if tail else hidden.shape[0] // B):
+            t0 = time.perf_counter()
+            tensors, payload = reconstruct.layer_inputs(path, hidden[k * B:(k + 1) * B])
+            stream.reconstruct_ms += (time.perf_counter() - t0) * 1e3
+            self._send_block(stream, first_index + k, tensors, payload, tail)
 
     def _emit_block(self, stream: RequestStream, path, block_index: int, hidden: np.ndarray, tail: bool) -> None:
         from . import reconstruct

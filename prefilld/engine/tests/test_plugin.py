@@ -144,6 +144,25 @@ class ReconstructionTest(unittest.TestCase):
             self.assertEqual(b"".join(map(bytes, parts)), b"".join(map(bytes, want_parts)), f"block {b}")
 
 
+    def test_layer_inputs_give_the_decoder_the_blocks_the_plugin_computes(self):
+        """A block's layer inputs as the plugin sends them to a decoder that computes its own cache
+        (each layer's cast to the decoder's dtype), fed to the decoder's cache path, give byte for
+        byte the block the plugin computes itself."""
+        from pdbridge_vllm import reconstruct
+
+        path = reconstruct.load(FX.bundle, FX.sha)
+        for b in range(T // B):
+            hidden = FX.native_hidden[b * B:(b + 1) * B]
+            headers, parts = reconstruct.layer_inputs(path, hidden)
+            self.assertEqual([(h["layer"], h["name"], h["dtype"], h["shape"]) for h in headers],
+                             [(layer, "input", "F32", [B, path.hidden_size]) for layer in path.layers])
+            sent = np.stack([np.frombuffer(bytes(p), dtype="<f4").reshape(B, -1) for p in parts], axis=1)
+            on_decoder = reconstruct._wire(path.block(sent, b * B))
+            in_plugin = reconstruct.block(path, hidden, b * B)
+            self.assertEqual(on_decoder[0], in_plugin[0], f"block {b}")
+            self.assertEqual(b"".join(map(bytes, on_decoder[1])), b"".join(map(bytes, in_plugin[1])), f"block {b}")
+
+
 class BridgeCase(unittest.TestCase):
     """A plugin socket of the class's own (prefilld's side), requests and checks against the
     native cache. Subclasses start their engines."""

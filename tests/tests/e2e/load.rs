@@ -166,6 +166,7 @@ async fn blocks_waiting_in_the_engine_queue_are_not_evicted() {
             token_ids: tokens,
             first_block: 0,
             tail_tokens: 0,
+            ..Default::default()
         };
         let shards = (0..whole).flat_map(|b| block_shards(&spec, b, 9)).collect();
         async move { push(&mut grpc, frames(open, shards, Some(whole))).await.unwrap() }

@@ -2,6 +2,7 @@
 //! daemon binaries on loopback.
 
 mod bridge;
+mod exact;
 mod families;
 mod foundation;
 mod load;

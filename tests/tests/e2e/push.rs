@@ -11,8 +11,8 @@ use std::time::Duration;
 
 use pdbridge_common::{
     proto::{
-        GetBundleRequest, GetSpecRequest, PushFrame, PushOpen, PushSeal, Shard, cache_store_client::CacheStoreClient,
-        push_frame::Frame,
+        GetBundleRequest, GetSpecRequest, Payload, PushFrame, PushOpen, PushSeal, Shard,
+        cache_store_client::CacheStoreClient, push_frame::Frame,
     },
     spec,
 };
@@ -70,6 +70,7 @@ async fn bad_shards_are_refused_and_committed_blocks_survive() {
         token_ids: tokens.clone(),
         first_block,
         tail_tokens: 0,
+        ..Default::default()
     };
 
     // Spec mismatch.
@@ -77,6 +78,15 @@ async fn bad_shards_are_refused_and_committed_blocks_survive() {
     wrong.spec_fingerprint = "f".repeat(64);
     let err = push(&mut client, frames(wrong, block_shards(&spec, 0, 1), Some(1))).await.unwrap_err();
     assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
+
+    // Layer inputs need an engine to compute the cache from them; a payload kind nobody knows.
+    let inputs = PushOpen { payload: Payload::LayerInputs as i32, ..open(0) };
+    let err = push(&mut client, frames(inputs, block_shards(&spec, 0, 1), Some(1))).await.unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
+    assert!(err.message().contains("without a decode engine"), "{err:?}");
+    let unknown = PushOpen { payload: 7, ..open(0) };
+    let err = push(&mut client, frames(unknown, block_shards(&spec, 0, 1), Some(1))).await.unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
 
     // Corrupt payload: checksum fails.
     let mut shards = block_shards(&spec, 0, 1);
@@ -293,6 +303,7 @@ async fn a_full_disk_refuses_blocks_cleanly_then_evicts_to_make_room() {
         token_ids: tokens.clone(),
         first_block,
         tail_tokens: 0,
+        ..Default::default()
     };
     let block_bytes: u64 = spec::bytes_per_token(&spec) * BLOCK_TOKENS as u64;
 
@@ -338,6 +349,7 @@ async fn concurrent_pushes_of_one_block_all_succeed() {
         token_ids: tokens.clone(),
         first_block: 0,
         tail_tokens: 0,
+        ..Default::default()
     };
     let racers: Vec<_> = (0..24)
         .map(|_| {
@@ -376,6 +388,7 @@ async fn a_tail_travels_for_its_request_and_is_never_a_block() {
         token_ids: tokens.clone(),
         first_block: 0,
         tail_tokens,
+        ..Default::default()
     };
     let tails = || std::fs::read_dir(store.join("tails")).unwrap().count();
 

@@ -55,6 +55,7 @@ async fn only_the_configured_prefiller_may_write_or_read_the_decoders_cache() {
             token_ids: tokens.clone(),
             first_block: 0,
             tail_tokens: 0,
+            ..Default::default()
         };
         frames(open, block_shards(&spec, 0, 66), Some(1))
     };
