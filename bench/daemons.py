@@ -90,11 +90,12 @@ class Sampler:
 
 
 def decoded_toml(run: Path, ports: dict, model: str, prefillers: list[int], decoder: str = "",
-                 decoder_model: str | None = None, block_tokens: int = BLOCK_TOKENS) -> str:
+                 decoder_model: str | None = None, block_tokens: int = BLOCK_TOKENS, front: str = "") -> str:
     """decoded's config: its store and socket under `run`, bridging through the prefilld instances
     listening on `prefillers` (gRPC ports; several are listed as `[[front.prefillers]]`).
     `decoder`: extra `[engine]` keys (dtype, kv_bits, …, then possibly `[engine.env]`);
-    `decoder_model`: the decoder's model folder under models/ (default `<model>-mlx`)."""
+    `decoder_model`: the decoder's model folder under models/ (default `<model>-mlx`); `front`: extra
+    `[front]` keys."""
     if len(prefillers) == 1:
         bridge = f'prefilld = "http://127.0.0.1:{prefillers[0]}"\n'
     else:
@@ -125,6 +126,7 @@ min_bridge_tokens = {block_tokens}
 prefill_deadline_base = "600s"
 prefill_deadline_per_1k_tokens = "60s"
 request_timeout = "7200s"
+{front}
 {bridge}"""
 
 
@@ -184,12 +186,13 @@ def open_files(pid: int) -> int:
 class Topology:
     """`prefillers` prefilld instances and one decoded per entry of `decoders` on `model`, each
     listing all of the other side, ready on entry, stopped on exit. A decoder entry is its block
-    size; `vllm_args` spread every prefilld's vLLM over processes. Daemon `i` of a role is named
-    `prefilld-i` / `decoded-i` (its folder under the run folder, its log, its `ports`)."""
+    size; `vllm_args` spread every prefilld's vLLM over processes; `fronts` are decoder `i`'s extra
+    `[front]` keys. Daemon `i` of a role is named `prefilld-i` / `decoded-i` (its folder under the
+    run folder, its log, its `ports`)."""
 
     def __init__(self, model: str, run_dir: str, max_len: int, prefillers: int = 1,
                  decoders: tuple[int, ...] = (BLOCK_TOKENS,), decoder: str = "", prefill_dtype: str = "float32",
-                 decoder_model: str | None = None, vllm_args: tuple[str, ...] = ()):
+                 decoder_model: str | None = None, vllm_args: tuple[str, ...] = (), fronts: tuple[str, ...] = ()):
         self.run = (ROOT / run_dir).resolve()
         subprocess.run(["rm", "-rf", str(self.run)], check=True)
         self.ports: dict[str, dict[str, int]] = {}
@@ -204,8 +207,9 @@ class Topology:
             folder = self.run / name
             folder.mkdir(parents=True)
             if name.startswith("decoded"):
-                block_tokens = decoders[int(name.split("-")[1])]
-                toml = decoded_toml(folder, ports, model, grpc["prefilld"], decoder, decoder_model, block_tokens)
+                i = int(name.split("-")[1])
+                front = fronts[i] if i < len(fronts) else ""
+                toml = decoded_toml(folder, ports, model, grpc["prefilld"], decoder, decoder_model, decoders[i], front)
             else:
                 toml = prefilld_toml(folder, ports, model, max_len, grpc["decoded"], prefill_dtype, vllm_args)
             self.tomls[name] = folder / f"{name.split('-')[0]}.toml"

@@ -197,6 +197,7 @@ impl Bridge {
 
         let mut stage_ms = BTreeMap::new();
         let mut sent_blocks = 0u32;
+        let mut tail_sent = 0u32;
         let mut bytes_sent = 0u64;
         let mut prefill_done_at: Option<Instant> = None;
         let mut first_block_at: Option<Instant> = None;
@@ -216,6 +217,7 @@ impl Bridge {
                             Err(failure) => break Err(failure),
                         }
                         if tail {
+                            tail_sent = tail_tokens;
                             continue;
                         }
                         stripes.sent(index);
@@ -273,8 +275,9 @@ impl Bridge {
         stage_ms.insert("total".into(), prefill_started.elapsed().as_secs_f64() * 1e3);
         metrics::counter!("pdbridge_stream_bytes_total").increment(bytes_sent);
         metrics::counter!("pdbridge_stream_blocks_total").increment(sent_blocks as u64);
-        if sent_blocks > 0 {
-            let per_token = bytes_sent as f64 / (sent_blocks as f64 * b as f64);
+        let tokens_sent = sent_blocks * b + tail_sent;
+        if tokens_sent > 0 {
+            let per_token = bytes_sent as f64 / f64::from(tokens_sent);
             metrics::gauge!("pdbridge_stream_payload_bytes_per_token").set(per_token);
         }
 

@@ -19,7 +19,9 @@ Flow, per request that carries ``kv_transfer_params.pdbridge`` (all other reques
    or 0 when the decoder keeps a recurrent state, which the blocks before ``first_block`` only
    advance), copies their hidden states out of
    the paged cache (float32) and queues them to the streamer thread (`streamer.py`), which computes
-   the decoder's cache with the decoder's own mlx-lm modules (`reconstruct.py`) and writes the block to prefilld's unix socket. So
+   the decoder's cache with the decoder's own mlx-lm modules (`reconstruct.py`) — or, for a decoder
+   that computes its own (``payload: layer_inputs``), casts them to its activation dtype — and
+   writes the block to prefilld's unix socket. So
    blocks leave per engine step, as chunked prefill completes them.
 4. The step whose metadata says the prompt is complete ends the stream: the captured length must
    equal the prompt length, then ``done`` (or ``error``) follows the last block. A request the

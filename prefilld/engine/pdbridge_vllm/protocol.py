@@ -8,9 +8,10 @@ Every message is::
 
 Message types, in stream order for one request (one connection per request):
 
-* ``block`` — one finished block of the decoder's cache. ``payload_bytes`` bytes follow; each
-  entry of ``tensors`` (layers in ascending order, ``keys`` then ``values`` per layer) names a
-  contiguous little-endian slice ``[offset, offset + nbytes)`` of the payload.
+* ``block`` — one finished block: the decoder's cache, or (a request whose ``payload`` is
+  ``layer_inputs``) each layer's input for the decoder to compute it. ``payload_bytes`` bytes follow;
+  each entry of ``tensors`` (layers in ascending order, a layer's tensors in its codec's order)
+  names a contiguous little-endian slice ``[offset, offset + nbytes)`` of the payload.
 * ``done`` — end of the request's prefill: ``num_tokens`` captured, ``blocks_emitted``,
   ``timings_ms``. Last message of a successful stream.
 * ``error`` — ``reason`` (machine-readable) and ``message``. Last message of a failed stream;
