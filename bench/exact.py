@@ -12,7 +12,9 @@ prefill, the same layer inputs), then asked natively of the exact one. Per row:
 - the decoder's time to compute a block (`pdbridge_reconstruct_seconds`) as tokens/s on this rig,
   beside the plugin's reconstruction time for the same blocks;
 - whether the exact decoder's blocks hold the same tensors as the prefiller-computed ones (both sides
-  run MLX on this CPU: they must), and whether its answers equal the native ones;
+  run MLX on this CPU: they must), and whether its answers equal those of the other mode (they
+  must) and the native ones (a reduced-precision decoder may not: the prefill engine's layer
+  inputs are not the decoder's, see models.json);
 - TTFT in both modes and natively.
 
 The real shapes (Llama-3-8B, Qwen3-8B, Gemma-3-12B, DeepSeek-V3) are computed from their configs:
@@ -76,12 +78,18 @@ def scrape(admin_port: int) -> dict[str, float]:
     return out
 
 
-def block_tensors(store: Path) -> dict[str, dict[str, bytes]]:
-    """Each block file's tensors (name → bytes), by file name."""
-    from safetensors.numpy import load_file
-
-    return {path.name: {name: a.tobytes() for name, a in load_file(str(path)).items()}
-            for path in sorted(store.glob("blocks/*/*.safetensors"))}
+def block_tensors(store: Path) -> dict[str, dict[str, tuple]]:
+    """Each block file's metadata and tensors (name → dtype, shape, bytes), by file name: read from
+    the safetensors layout itself (numpy has no bf16), whatever order the header lists them in."""
+    blocks = {}
+    for path in sorted(store.glob("blocks/*/*.safetensors")):
+        raw = path.read_bytes()
+        size = int.from_bytes(raw[:8], "little")
+        header = json.loads(raw[8:8 + size])
+        data = raw[8 + size:]
+        blocks[path.name] = {name: (t["dtype"], t["shape"], data[t["data_offsets"][0]:t["data_offsets"][1]])
+                             if name != "__metadata__" else t for name, t in header.items()}
+    return blocks
 
 
 def real_shapes() -> list[dict]:
@@ -136,11 +144,13 @@ def run_row(row: Row, args, text: str) -> dict:
             out["decoder"]["reconstruct_s_per_block"] = seconds / computed if computed else None
             native = timed(clients[1], engine_logs[1], prompt, "native", MAX_TOKENS)
             out["native_ttft_s"] = native["ttft_s"]
-            out["same_answer"] = native["text"] == out["decoder"]["text"]
+            out["same_answer_as_prefiller_mode"] = out["prefiller"]["text"] == out["decoder"]["text"]
+            out["same_answer_as_native"] = native["text"] == out["decoder"]["text"]
             per_prompt.append(out)
             log(f"  {tag} prompt {i}: {prompt['prompt_tokens']} tokens, "
                 + ", ".join(f"{m} {out[m]['outcome']} {out[m]['wire_bytes_per_token']:.0f} B/token" for m in MODES)
-                + f", same answer {out['same_answer']}")
+                + f", same answer as prefiller mode {out['same_answer_as_prefiller_mode']}, "
+                f"as native {out['same_answer_as_native']}")
         stores = [daemons.run / f"decoded-{i}" / "store" for i in range(len(MODES))]
         there, here = block_tensors(stores[0]), block_tensors(stores[1])
 
@@ -157,7 +167,8 @@ def run_row(row: Row, args, text: str) -> dict:
         "family": row.family, "model": row.model, "cache_dtype": row.cache_dtype, "kv_bits": row.kv_bits or 0,
         "prefill_dtype": row.prefill_dtype, "prompts": len(per_prompt),
         "bridged": all(p[m]["outcome"] == "bridged" for p in per_prompt for m in MODES),
-        "same_answer": sum(p["same_answer"] for p in per_prompt) / len(per_prompt),
+        "same_answer_as_prefiller_mode": sum(p["same_answer_as_prefiller_mode"] for p in per_prompt) / len(per_prompt),
+        "same_answer_as_native": sum(p["same_answer_as_native"] for p in per_prompt) / len(per_prompt),
         "blocks_identical": bool(here) and here == there,
         "blocks_compared": len(here),
         "cache_bytes_per_token": cache_bytes,
@@ -173,13 +184,14 @@ def run_row(row: Row, args, text: str) -> dict:
         "per_prompt": per_prompt,
     }
     log(f"{tag}: ratio {result['ratio']}, decoder {result['decoder_reconstruct_tok_s']} tok/s, "
-        f"blocks identical {result['blocks_identical']}, same answer {result['same_answer']}")
+        f"blocks identical {result['blocks_identical']}, same answer as prefiller mode "
+        f"{result['same_answer_as_prefiller_mode']}, as native {result['same_answer_as_native']}")
     return result
 
 
 def table(rows: list[dict]) -> str:
     lines = ["| family | dtype | cache B/tok | inputs B/tok | × | 10 GbE tok/s cache / inputs | decoder tok/s "
-             "(plugin) | same blocks | = native | TTFT prefiller / decoder / native |",
+             "(plugin) | same blocks | answer = prefiller mode / native | TTFT prefiller / decoder / native |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         kv = f" kv{r['kv_bits']}" if r["kv_bits"] else ""
@@ -188,7 +200,8 @@ def table(rows: list[dict]) -> str:
             f"| {r['family']} | {r['cache_dtype']}{kv} | {r['cache_bytes_per_token']:,.0f} | "
             f"{r['layer_input_bytes_per_token']:,.0f} | {r['ratio']} | {r['link_tok_s_cache']:,} / "
             f"{r['link_tok_s_inputs']:,} | {r['decoder_reconstruct_tok_s']:,} ({r['plugin_reconstruct_tok_s']:,}) | "
-            f"{r['blocks_compared'] if r['blocks_identical'] else 'NO'} | {r['same_answer']:.2f} | "
+            f"{r['blocks_compared'] if r['blocks_identical'] else 'NO'} | "
+            f"{r['same_answer_as_prefiller_mode']:.2f} / {r['same_answer_as_native']:.2f} | "
             f"{t['prefiller']:.2f} / {t['decoder']:.2f} / {t['native']:.2f} s |")
     return "\n".join(lines)
 
@@ -201,9 +214,13 @@ def main() -> int:
     parser.add_argument("--out", default="bench/results/exact.json")
     args = parser.parse_args()
     wanted = args.rows.split(",")
-    rows = [r for r in ROWS if f"{r.family}/{r.cache_dtype}" in wanted]
-    if len(rows) != len(wanted):
-        raise SystemExit(f"unknown rows: {set(wanted) - {f'{r.family}/{r.cache_dtype}' for r in rows}}")
+    # The first row of each family and dtype (llama3's dense variant shares its name).
+    known = {}
+    for r in ROWS:
+        known.setdefault(f"{r.family}/{r.cache_dtype}", r)
+    if unknown := set(wanted) - set(known):
+        raise SystemExit(f"unknown rows: {sorted(unknown)}")
+    rows = [known[w] for w in wanted]
     started = time.monotonic()
     text = corpus()
     results = [run_row(row, args, text) for row in rows]

@@ -368,16 +368,17 @@ def fidelity(args) -> dict:
                     s["first_same"] += int(own[1][0] == theirs[1][0])
                     s["greedy_same"] += int(own[1] == theirs[1])
                 mx.set_default_device(mx.cpu)
-            for pair, s in stats.items():
-                row = {"dtype": dtype_name, "prompt_tokens": length, "pair": pair, "prompts": args.prompts,
-                       "elements_exact_pct": 100 * s["equal"] / s["total"], "max_ulp": s["ulp"],
-                       "max_rel_diff": s["rel"],
-                       "first_token_agreement": s["first_same"] / args.prompts,
-                       f"greedy_{args.steps}_agreement": s["greedy_same"] / args.prompts,
-                       "kl_mean": statistics.mean(s["kl"]), "kl_max": max(s["kl"])}
-                rows.append(row)
+                # After every prompt: a run cut short by its time limit keeps the prompts it finished.
+                done = [{"dtype": dtype_name, "prompt_tokens": length, "pair": pair, "prompts": p + 1,
+                         "elements_exact_pct": 100 * s["equal"] / s["total"], "max_ulp": s["ulp"],
+                         "max_rel_diff": s["rel"],
+                         "first_token_agreement": s["first_same"] / (p + 1),
+                         f"greedy_{args.steps}_agreement": s["greedy_same"] / (p + 1),
+                         "kl_mean": statistics.mean(s["kl"]), "kl_max": max(s["kl"])} for pair, s in stats.items()]
+                checkpoint(args, {"model": Path(args.model).name, "rows": rows + done})
+            rows += done
+            for row in done:
                 log(json.dumps(row))
-            checkpoint(args, {"model": Path(args.model).name, "rows": rows})
         del model, path
     return {"model": Path(args.model).name, "block_tokens": BLOCK_TOKENS, "rows": rows}
 

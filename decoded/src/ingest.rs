@@ -2,7 +2,8 @@
 //!
 //! A Push stream opens with the prompt's token ids, then carries shards in any
 //! order. Every shard is checked on arrival (spec, range, checksum, overlap);
-//! a block is handed to the store the moment its last byte verifies, so a cut
+//! a block is handed to the store the moment its last byte verifies (a block
+//! of layer inputs to the engine first, which computes its cache), so a cut
 //! stream leaves every completed block valid and nothing partial. Commits run
 //! on blocking threads while the stream keeps being read (a block's fsync
 //! overlaps the next block's bytes on the wire); [`Ingest::finish`] waits for

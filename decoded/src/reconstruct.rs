@@ -28,6 +28,8 @@ pub enum ReconstructError {
     Engine(#[from] EngineError),
     #[error("{op} {path}: {source}")]
     Io { op: &'static str, path: String, source: std::io::Error },
+    #[error("reconstruction task: {0}")]
+    Task(#[from] tokio::task::JoinError),
     /// The engine's result does not hold the spec's tensors.
     #[error("the decode engine's cache does not match the spec: {0}")]
     Mismatch(String),
@@ -106,9 +108,5 @@ fn checked(spec: &CacheSpec, rows: u32, file: Bytes) -> Result<Vec<BlockTensor>,
 async fn blocking<T: Send + 'static>(
     work: impl FnOnce() -> Result<T, ReconstructError> + Send + 'static,
 ) -> Result<T, ReconstructError> {
-    tokio::task::spawn_blocking(work).await.map_err(|e| ReconstructError::Io {
-        op: "run",
-        path: String::new(),
-        source: std::io::Error::other(e),
-    })?
+    tokio::task::spawn_blocking(work).await?
 }

@@ -1,9 +1,10 @@
 """Command line, unix-socket server and the single model thread.
 
 Connections are served on their own threads so cheap ops (info, tokenize)
-answer at once; model work (generate, export) goes to ONE thread, because MLX is
-not thread-safe: generations share it as a continuous batch, anything else runs
-alone. A connection's thread sends its generation's lines, so a slow reader
+answer at once; model work (generate, export, reconstruct) goes to ONE thread,
+because MLX is not thread-safe: generations share it as a continuous batch,
+a bridged block's reconstruction runs between two of its steps, anything else
+runs alone. A connection's thread sends its generation's lines, so a slow reader
 never holds the model thread.
 """
 
@@ -50,6 +51,7 @@ class ModelThread:
     arrival order. Generations that can join run together as one continuous batch of at most
     `max_batch`, joining and leaving between steps. Exclusive work waits for the batch to drain
     and holds back later arrivals meanwhile, so nothing waits forever (mlx_lm.server's policy).
+    Work that touches no generation's state (`between_steps`) runs between two batch steps.
     """
 
     def __init__(self) -> None:
@@ -60,9 +62,18 @@ class ModelThread:
 
     def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Runs `fn` alone on the model thread; its result or exception comes back here."""
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        self._inbox.put(_Exclusive(future, fn, args, kwargs))
-        return future.result()
+        return self._wait(_Exclusive(concurrent.futures.Future(), fn, args, kwargs))
+
+    def between_steps(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Runs `fn` on the model thread between two steps of the running batch, ahead of queued
+        work and without waiting for the batch to drain: for work that touches no generation's
+        state (a bridged block's cache computed from its layer inputs), which would otherwise
+        wait out every running answer."""
+        return self._wait(_Exclusive(concurrent.futures.Future(), fn, args, {}, between_steps=True))
+
+    def _wait(self, item: _Exclusive) -> Any:
+        self._inbox.put(item)
+        return item.future.result()
 
     def submit(self, job: Any) -> None:
         """Queues a generation; it reports through `job.lines()`."""
@@ -83,6 +94,9 @@ class ModelThread:
                 pass
             if batch is None and self.engine is not None:
                 batch = Batch(self.engine, self.engine.max_batch)
+            for item in [i for i in pending if isinstance(i, _Exclusive) and i.between_steps]:
+                pending.remove(item)
+                self._start(item, batch, False)
             while pending:
                 item = pending[0]
                 joins = not isinstance(item, _Exclusive) and self.engine.batchable(item.params)
@@ -127,6 +141,7 @@ class _Exclusive:
     fn: Callable[..., Any]
     args: tuple
     kwargs: dict
+    between_steps: bool = False
 
 
 def _send(conn: socket.socket, obj: dict) -> None:
@@ -213,7 +228,7 @@ class Handler:
             t = reply["timings_ms"]
             return f"tokens={len(req['tokens'])} blocks={reply['blocks']} prefill_ms={t['prefill']} write_ms={t['write']} "
         if op == "reconstruct":
-            reply = self.model_thread.call(self.engine.reconstruct, req)
+            reply = self.model_thread.between_steps(self.engine.reconstruct, req)
             _send(conn, reply)
             return f"offset={req.get('offset')} rows={reply['rows']} reconstruct_ms={reply['timings_ms']['reconstruct']} "
         raise BadRequest(f"unknown op {op!r} (expected info, tokenize, generate, export or reconstruct)")

@@ -454,6 +454,31 @@ class AdapterTest(unittest.TestCase):
         self.assertLess(answered_at - t0, 2.0)
 
 
+    def test_reconstruct_runs_between_the_steps_of_a_running_generation(self):
+        """A bridged block's reconstruction does not wait out the answers being generated: it runs
+        between two of the batch's steps."""
+        import mlx.core as mx
+
+        first_token = threading.Event()
+        finished_at = []
+
+        def run():
+            stream(self.adapter.socket, {"tokens": self.tokens, "max_tokens": 200, "temperature": 0.0},
+                   lambda _: first_token.set())
+            finished_at.append(time.monotonic())
+
+        worker = threading.Thread(target=run)
+        worker.start()
+        self.assertTrue(first_token.wait(timeout=600), "the generation never started")
+        hidden = mx.random.normal((BLOCK, self.info["spec"]["hidden_size"]), key=mx.random.key(0))
+        inputs, out = (os.path.join(self.tmp.name, name) for name in ("busy-in.safetensors", "busy-out.safetensors"))
+        mx.save_safetensors(inputs, {f"{layer['index']}.input": hidden for layer in self.info["spec"]["layers"]})
+        reply = self.adapter.request({"op": "reconstruct", "inputs": inputs, "offset": 0, "out": out})
+        answered_at = time.monotonic()
+        worker.join(timeout=600)
+        self.assertEqual(reply[-1].get("rows"), BLOCK, reply)
+        self.assertLess(answered_at, finished_at[0], "reconstruct waited for the generation to finish")
+
     def test_generations_share_the_model_as_one_batch_and_answer_as_alone(self):
         """A bridged request arriving while a native one is mid-answer joins it: its whole
         answer comes back before the long one ends, and every answer is the one it gets alone."""
