@@ -128,12 +128,13 @@ impl Prefiller {
             let candidate = InFlight::enter(left.swap_remove(at));
             let mut health = HealthClient::new(candidate.0.channel.clone());
             let check = health.check(HealthCheckRequest { service: "pdbridge.v1.Prefiller".into() });
-            if matches!(
-                tokio::time::timeout(HEALTH_TIMEOUT, check).await,
-                Ok(Ok(reply)) if reply.get_ref().status() == ServingStatus::Serving
-            ) {
-                return Some(candidate);
-            }
+            let problem = match tokio::time::timeout(HEALTH_TIMEOUT, check).await {
+                Ok(Ok(reply)) if reply.get_ref().status() == ServingStatus::Serving => return Some(candidate),
+                Ok(Ok(reply)) => format!("health says {:?}", reply.get_ref().status()),
+                Ok(Err(status)) => format!("health check failed: {:?}: {}", status.code(), status.message()),
+                Err(_) => format!("no health answer within {HEALTH_TIMEOUT:?}"),
+            };
+            tracing::warn!(prefiller = candidate.0.name, problem, "prefilld skipped");
         }
         None
     }

@@ -43,7 +43,9 @@ async fn bridges_spread_over_prefillers_and_survive_one_dying_mid_bridge() {
         })
         .collect();
     used.sort();
-    assert_eq!(used, ["prefill-a", "prefill-b"], "{} / {}", one.verdict, two.verdict);
+    let log = decoded.log_text();
+    let skipped: Vec<&str> = log.lines().filter(|line| line.contains("prefilld skipped")).collect();
+    assert_eq!(used, ["prefill-a", "prefill-b"], "{} / {}; {skipped:?}", one.verdict, two.verdict);
 
     // A long prompt goes to prefill-a (both idle: the first listed); it dies once blocks landed.
     let long = user(&license[3000..]);
