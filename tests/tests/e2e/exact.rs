@@ -3,12 +3,15 @@
 //! kernels. Both sides run MLX on this CPU, so those blocks must hold, byte for byte, what
 //! prefilld computes for a decoder that leaves it the work — and the answers the native ones.
 
-use std::{collections::BTreeMap, path::Path, time::Duration};
+use std::{collections::BTreeMap, path::Path};
 
-use pdbridge_tests::{Daemon, Engines, Reserved, Scratch, decoders, license_text};
+use pdbridge_tests::{Scratch, license_text};
 use safetensors::SafeTensors;
 
-use crate::bridge::{chat, user};
+use crate::{
+    bridge::{chat, user},
+    topology::one_prefiller_and_decoders,
+};
 
 const BLOCK_TOKENS: u32 = 64;
 
@@ -48,26 +51,8 @@ fn blocks_in(store: &Path) -> BTreeMap<String, BlockContent> {
 #[tokio::test]
 async fn a_decoder_computing_its_own_cache_stores_the_same_bytes_and_answers_natively() {
     let scratch = Scratch::new("exact");
-    let engines = Engines::locate();
-    let ports = [Reserved::new(), Reserved::new()];
-    let addrs: Vec<String> = ports.iter().map(|p| format!("http://{}", p.addr())).collect();
-    let prefilld =
-        Daemon::start("prefilld", &engines.prefilld_config(&scratch.0.join("prefilld"), &decoders(&addrs))).await;
-    let mut started = Vec::new();
-    for (port, reconstruct_on) in ports.into_iter().zip(["prefiller", "decoder"]) {
-        let front = format!(
-            "[front]\nlisten = \"127.0.0.1:0\"\nprefilld = \"http://{}\"\nmin_bridge_tokens = {BLOCK_TOKENS}\n\
-             reconstruct_on = \"{reconstruct_on}\"\n",
-            prefilld.grpc
-        );
-        let store = scratch.0.join(format!("store-{reconstruct_on}"));
-        let config = engines.decoded_config(&store, BLOCK_TOKENS, &front);
-        started.push((Daemon::start("decoded", &port.release_into(&config)).await, store));
-    }
-    for (decoded, _) in &started {
-        decoded.wait_ready(Duration::from_secs(300)).await;
-    }
-    prefilld.wait_ready(Duration::from_secs(900)).await;
+    let modes = [(BLOCK_TOKENS, "reconstruct_on = \"prefiller\""), (BLOCK_TOKENS, "reconstruct_on = \"decoder\"")];
+    let (_prefilld, started) = one_prefiller_and_decoders(&scratch, &modes).await;
 
     // One after the other: the same prompt, the same prefill, the same layer inputs.
     let prompt = user(&license_text()[..1500]);

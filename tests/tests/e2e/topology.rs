@@ -75,36 +75,49 @@ async fn bridges_spread_over_prefillers_and_survive_one_dying_mid_bridge() {
     assert_eq!(answer.text(), chat(&decoded, &long, "native").await.text(), "the answer after a failover differs");
 }
 
-/// One prefilld, two decoders of different specs (64- and 32-token blocks), bridged at once: each
-/// gets its own spec's blocks, in its own store only, and answers as it does natively.
-#[tokio::test]
-async fn one_prefiller_serves_two_decoders_at_once_each_into_its_own_store() {
-    let scratch = Scratch::new("two-decoders");
+/// One prefilld and a decoded per entry of `decoders` (its block size and extra `[front]` keys),
+/// each bridging through that prefilld into its own store (`store-{i}` under `scratch`), all ready.
+pub(crate) async fn one_prefiller_and_decoders(
+    scratch: &Scratch,
+    decoders_: &[(u32, &str)],
+) -> (Daemon, Vec<(Daemon, std::path::PathBuf)>) {
     let engines = Engines::locate();
-    let ports = [Reserved::new(), Reserved::new()];
+    let ports: Vec<Reserved> = decoders_.iter().map(|_| Reserved::new()).collect();
     let addrs: Vec<String> = ports.iter().map(|p| format!("http://{}", p.addr())).collect();
     let prefilld =
         Daemon::start("prefilld", &engines.prefilld_config(&scratch.0.join("prefilld"), &decoders(&addrs))).await;
     let mut started = Vec::new();
-    for (i, (port, block_tokens)) in ports.into_iter().zip([64, 32]).enumerate() {
+    for (i, (port, (block_tokens, extra))) in ports.into_iter().zip(decoders_).enumerate() {
         let front = format!(
-            "[front]\nlisten = \"127.0.0.1:0\"\nprefilld = \"http://{}\"\nmin_bridge_tokens = {block_tokens}\n",
+            "[front]\nlisten = \"127.0.0.1:0\"\nprefilld = \"http://{}\"\nmin_bridge_tokens = {block_tokens}\n{extra}\n",
             prefilld.grpc
         );
-        let config = engines.decoded_config(&scratch.0.join(format!("store-{i}")), block_tokens, &front);
-        started.push((Daemon::start("decoded", &port.release_into(&config)).await, u64::from(block_tokens)));
+        let store = scratch.0.join(format!("store-{i}"));
+        let config = engines.decoded_config(&store, *block_tokens, &front);
+        started.push((Daemon::start("decoded", &port.release_into(&config)).await, store));
     }
     for (decoded, _) in &started {
         decoded.wait_ready(Duration::from_secs(300)).await;
     }
     prefilld.wait_ready(Duration::from_secs(900)).await;
+    (prefilld, started)
+}
+
+/// One prefilld, two decoders of different specs (64- and 32-token blocks), bridged at once: each
+/// gets its own spec's blocks, in its own store only, and answers as it does natively.
+#[tokio::test]
+async fn one_prefiller_serves_two_decoders_at_once_each_into_its_own_store() {
+    let scratch = Scratch::new("two-decoders");
+    let (_prefilld, started) = one_prefiller_and_decoders(&scratch, &[(64, ""), (32, "")]).await;
     let license = license_text();
     let prompts = [user(&license[..1500]), user(&license[1500..3000])];
 
     let (one, two) = tokio::join!(chat(&started[0].0, &prompts[0], "auto"), chat(&started[1].0, &prompts[1], "auto"));
-    for ((decoded, block_tokens), (answer, prompt)) in started.iter().zip([(&one, &prompts[0]), (&two, &prompts[1])]) {
+    for (((decoded, _), block_tokens), (answer, prompt)) in
+        started.iter().zip([64, 32]).zip([(&one, &prompts[0]), (&two, &prompts[1])])
+    {
         assert_eq!(answer.verdict["outcome"], "bridged", "{}", answer.verdict);
-        assert_eq!(answer.verdict["block_tokens"].as_u64(), Some(*block_tokens), "{}", answer.verdict);
+        assert_eq!(answer.verdict["block_tokens"].as_u64(), Some(block_tokens), "{}", answer.verdict);
         assert_eq!(answer.cached_tokens(), answer.prompt_tokens() - 1, "{}", answer.verdict);
         // Its own prompt's whole blocks and nothing of the other decoder's.
         let stored = decoded.metric("pdbridge_store_blocks").await;
