@@ -131,12 +131,12 @@ request_timeout = "7200s"
 
 
 def prefilld_toml(run: Path, ports: dict, model: str, max_len: int, decoders: list[int],
-                  prefill_dtype: str = "float32", vllm_args: tuple[str, ...] = ()) -> str:
+                  prefill_dtype: str = "float32", parallel: str = "") -> str:
     """prefilld's config: vLLM on `models/<model>-hf`, pushing to the decoders on `decoders` (gRPC
-    ports). `vllm_args` spread vLLM over processes (one core bound to each: this rig has no second
-    NUMA node for vLLM's automatic binding)."""
-    extra = f"extra_args = {json.dumps(list(vllm_args))}\n" if vllm_args else ""
-    bind = 'VLLM_CPU_OMP_THREADS_BIND = "0|1"\n' if vllm_args else ""
+    ports). `parallel`: `[engine]` keys that spread vLLM over processes (one core bound to each:
+    this rig has no second NUMA node for vLLM's automatic binding)."""
+    extra = f"{parallel}\n" if parallel else ""
+    bind = 'VLLM_CPU_OMP_THREADS_BIND = "0|1"\n' if parallel else ""
     pushes = "".join(f'[[decoders]]\naddr = "http://127.0.0.1:{port}"\n' for port in decoders)
     return f"""
 [server]
@@ -186,13 +186,13 @@ def open_files(pid: int) -> int:
 class Topology:
     """`prefillers` prefilld instances and one decoded per entry of `decoders` on `model`, each
     listing all of the other side, ready on entry, stopped on exit. A decoder entry is its block
-    size; `vllm_args` spread every prefilld's vLLM over processes; `fronts` are decoder `i`'s extra
+    size; `parallel` (`[engine]` keys) spreads every prefilld's vLLM over processes; `fronts` are decoder `i`'s extra
     `[front]` keys. Daemon `i` of a role is named `prefilld-i` / `decoded-i` (its folder under the
     run folder, its log, its `ports`)."""
 
     def __init__(self, model: str, run_dir: str, max_len: int, prefillers: int = 1,
                  decoders: tuple[int, ...] = (BLOCK_TOKENS,), decoder: str = "", prefill_dtype: str = "float32",
-                 decoder_model: str | None = None, vllm_args: tuple[str, ...] = (), fronts: tuple[str, ...] = ()):
+                 decoder_model: str | None = None, parallel: str = "", fronts: tuple[str, ...] = ()):
         self.run = (ROOT / run_dir).resolve()
         subprocess.run(["rm", "-rf", str(self.run)], check=True)
         self.ports: dict[str, dict[str, int]] = {}
@@ -211,7 +211,7 @@ class Topology:
                 front = fronts[i] if i < len(fronts) else ""
                 toml = decoded_toml(folder, ports, model, grpc["prefilld"], decoder, decoder_model, decoders[i], front)
             else:
-                toml = prefilld_toml(folder, ports, model, max_len, grpc["decoded"], prefill_dtype, vllm_args)
+                toml = prefilld_toml(folder, ports, model, max_len, grpc["decoded"], prefill_dtype, parallel)
             self.tomls[name] = folder / f"{name.split('-')[0]}.toml"
             self.tomls[name].write_text(toml)
         self.procs: dict[str, subprocess.Popen] = {}

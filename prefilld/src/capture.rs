@@ -3,7 +3,9 @@
 //! The plugin (in the engine process that owns a request) connects to
 //! prefilld's unix socket and sends, per request, `block` messages as blocks
 //! finish and one `done` (or `error`) when the engine reports the end of the
-//! request's prefill. Each message is a little-endian u32 header length, a
+//! request's prefill. Under pipeline parallelism every stage does so on its
+//! own connection, each block holding only that stage's layers (`stage`,
+//! `stages` in its messages); [`Stages`] assembles them. Each message is a little-endian u32 header length, a
 //! JSON header, then `payload_bytes` raw bytes. The [`Router`] hands every
 //! message to the Prefill call that registered the request id, through a
 //! bounded channel: a slow decoder link slows the plugin, never grows memory.
@@ -42,6 +44,19 @@ pub struct TensorSlice {
     pub nbytes: usize,
 }
 
+/// Which pipeline stage sent a message: the whole engine unless it says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+pub struct Stage {
+    #[serde(default, rename = "stage")]
+    pub index: u32,
+    #[serde(default = "one_stage", rename = "stages")]
+    pub count: u32,
+}
+
+fn one_stage() -> u32 {
+    1
+}
+
 #[derive(Debug, Deserialize)]
 #[serde(tag = "type", rename_all = "lowercase")]
 enum Header {
@@ -50,6 +65,8 @@ enum Header {
         block_index: u32,
         payload_bytes: usize,
         tensors: Vec<TensorSlice>,
+        #[serde(flatten)]
+        stage: Stage,
     },
     Done {
         request_id: String,
@@ -57,6 +74,8 @@ enum Header {
         blocks_emitted: u32,
         #[serde(default)]
         timings_ms: BTreeMap<String, f64>,
+        #[serde(flatten)]
+        stage: Stage,
     },
     Error {
         request_id: String,
@@ -69,8 +88,8 @@ enum Header {
 /// What the plugin reports for one request.
 #[derive(Debug)]
 pub enum PluginEvent {
-    Block { index: u32, tensors: Vec<TensorSlice>, payload: Bytes },
-    Done { num_tokens: u32, blocks_emitted: u32, timings_ms: BTreeMap<String, f64> },
+    Block { index: u32, part: Part, stage: Stage },
+    Done { end: End, stage: Stage },
     Error { reason: String, message: String },
 }
 
@@ -221,6 +240,106 @@ impl Router {
     }
 }
 
+/// The end of a request's prefill as one stage (or the whole engine) reports it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct End {
+    pub num_tokens: u32,
+    pub blocks_emitted: u32,
+    pub timings_ms: BTreeMap<String, f64>,
+}
+
+impl End {
+    /// The whole engine's end from its stages': the tokens and blocks every stage got to (the
+    /// least), each timing the slowest stage's (stages run side by side), and with several stages
+    /// each stage's own as `{name}_stage{i}`.
+    fn merged(ends: BTreeMap<u32, End>) -> End {
+        let mut merged = End { num_tokens: u32::MAX, blocks_emitted: u32::MAX, timings_ms: BTreeMap::new() };
+        let several = ends.len() > 1;
+        for (stage, end) in ends {
+            merged.num_tokens = merged.num_tokens.min(end.num_tokens);
+            merged.blocks_emitted = merged.blocks_emitted.min(end.blocks_emitted);
+            for (name, ms) in end.timings_ms {
+                if several {
+                    merged.timings_ms.insert(format!("{name}_stage{stage}"), ms);
+                }
+                let slowest = merged.timings_ms.entry(name).or_insert(ms);
+                *slowest = slowest.max(ms);
+            }
+        }
+        merged
+    }
+}
+
+/// One stage's part of a block: its layers' tensors, slices of `payload`.
+#[derive(Debug)]
+pub struct Part {
+    pub tensors: Vec<TensorSlice>,
+    pub payload: Bytes,
+}
+
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum StageError {
+    #[error("stage {index} of {count} does not exist")]
+    OutOfRange { index: u32, count: u32 },
+    #[error("stage {index} counts {count} stages, an earlier message {known}")]
+    Inconsistent { index: u32, count: u32, known: u32 },
+    #[error("stage {stage} sent block {block} twice")]
+    DuplicatePart { stage: u32, block: u32 },
+    #[error("stage {stage} ended twice")]
+    DuplicateEnd { stage: u32 },
+}
+
+/// Assembles one request's blocks from the engine's pipeline stages: each
+/// sends its own layers' part of every block and its own end. A block, or
+/// the end, is whole once every stage's has arrived (at once with one
+/// stage). Parts wait here rather than in the decoder, so it only ever sees
+/// whole blocks; they are bounded by how far one stage runs ahead of another
+/// (the plugin's queue).
+#[derive(Debug, Default)]
+pub struct Stages {
+    count: Option<u32>,
+    parts: BTreeMap<u32, BTreeMap<u32, Part>>,
+    ends: BTreeMap<u32, End>,
+}
+
+impl Stages {
+    fn check(&mut self, stage: Stage) -> Result<(), StageError> {
+        let Stage { index, count } = stage;
+        if index >= count {
+            return Err(StageError::OutOfRange { index, count });
+        }
+        match *self.count.get_or_insert(count) {
+            known if known != count => Err(StageError::Inconsistent { index, count, known }),
+            _ => Ok(()),
+        }
+    }
+
+    /// Every stage's part of block `index`, in stage order, once the last has arrived.
+    pub fn block(&mut self, stage: Stage, index: u32, part: Part) -> Result<Option<Vec<Part>>, StageError> {
+        self.check(stage)?;
+        let parts = self.parts.entry(index).or_default();
+        if parts.insert(stage.index, part).is_some() {
+            return Err(StageError::DuplicatePart { stage: stage.index, block: index });
+        }
+        if parts.len() < stage.count as usize {
+            return Ok(None);
+        }
+        Ok(self.parts.remove(&index).map(|parts| parts.into_values().collect()))
+    }
+
+    /// The engine's end, once every stage has ended.
+    pub fn end(&mut self, stage: Stage, end: End) -> Result<Option<End>, StageError> {
+        self.check(stage)?;
+        if self.ends.insert(stage.index, end).is_some() {
+            return Err(StageError::DuplicateEnd { stage: stage.index });
+        }
+        if self.ends.len() < stage.count as usize {
+            return Ok(None);
+        }
+        Ok(Some(End::merged(std::mem::take(&mut self.ends))))
+    }
+}
+
 /// Reads one message; `max_payload` says how large a block the named request
 /// may receive, checked before anything is allocated for it (None: nobody
 /// waits for it, so its payload is skipped unread).
@@ -242,7 +361,7 @@ async fn read_message(
     stream.read_exact(&mut header).await?;
     let header: Header = serde_json::from_slice(&header).map_err(|e| CaptureError::Malformed(e.to_string()))?;
     Ok(Some(match header {
-        Header::Block { request_id, block_index, payload_bytes, tensors } => {
+        Header::Block { request_id, block_index, payload_bytes, tensors, stage } => {
             if let Some(t) = tensors.iter().find(|t| t.offset.saturating_add(t.nbytes) > payload_bytes) {
                 return Err(CaptureError::Malformed(format!("tensor {}.{} outside the payload", t.layer, t.name)));
             }
@@ -265,10 +384,10 @@ async fn read_message(
                     payload.freeze()
                 }
             };
-            (request_id, PluginEvent::Block { index: block_index, tensors, payload })
+            (request_id, PluginEvent::Block { index: block_index, part: Part { tensors, payload }, stage })
         }
-        Header::Done { request_id, num_tokens, blocks_emitted, timings_ms } => {
-            (request_id, PluginEvent::Done { num_tokens, blocks_emitted, timings_ms })
+        Header::Done { request_id, num_tokens, blocks_emitted, timings_ms, stage } => {
+            (request_id, PluginEvent::Done { end: End { num_tokens, blocks_emitted, timings_ms }, stage })
         }
         Header::Error { request_id, reason, message } => (request_id, PluginEvent::Error { reason, message }),
     }))
@@ -301,12 +420,81 @@ mod tests {
         let mut reader = bytes.as_slice();
         let (id, event) = read_message(&mut reader, |_| Some(8)).await.unwrap().unwrap();
         assert_eq!(id, "r");
-        assert!(matches!(event, PluginEvent::Block { index: 3, ref payload, .. } if payload.len() == 8));
+        let whole = Stage { index: 0, count: 1 };
+        assert!(
+            matches!(event, PluginEvent::Block { index: 3, ref part, stage } if part.payload.len() == 8 && stage == whole)
+        );
         let (_, event) = read_message(&mut reader, |_| Some(8)).await.unwrap().unwrap();
-        assert!(matches!(event, PluginEvent::Done { num_tokens: 9, blocks_emitted: 1, .. }));
+        assert!(
+            matches!(event, PluginEvent::Done { ref end, stage } if (end.num_tokens, end.blocks_emitted) == (9, 1) && stage == whole)
+        );
         let (_, event) = read_message(&mut reader, |_| Some(8)).await.unwrap().unwrap();
         assert!(matches!(event, PluginEvent::Error { ref reason, .. } if reason == "x"));
         assert!(read_message(&mut reader, |_| Some(8)).await.unwrap().is_none());
+    }
+
+    fn part(layer: u32) -> Part {
+        let tensor =
+            TensorSlice { layer, name: "keys".into(), dtype: "F32".into(), shape: vec![1], offset: 0, nbytes: 4 };
+        Part { tensors: vec![tensor], payload: Bytes::from_static(&[0; 4]) }
+    }
+
+    fn end(num_tokens: u32, blocks_emitted: u32, reconstruct_ms: f64) -> End {
+        End { num_tokens, blocks_emitted, timings_ms: [("reconstruct".to_owned(), reconstruct_ms)].into() }
+    }
+
+    #[test]
+    fn a_whole_engine_passes_blocks_and_its_end_straight_through() {
+        let mut stages = Stages::default();
+        let whole = Stage { index: 0, count: 1 };
+        let parts = stages.block(whole, 0, part(0)).unwrap().unwrap();
+        assert_eq!(parts.len(), 1);
+        assert_eq!(stages.end(whole, end(512, 2, 7.0)).unwrap(), Some(end(512, 2, 7.0)));
+    }
+
+    #[test]
+    fn a_block_is_whole_once_every_stage_sent_its_part() {
+        let mut stages = Stages::default();
+        let (first, second) = (Stage { index: 0, count: 2 }, Stage { index: 1, count: 2 });
+        assert!(stages.block(second, 0, part(1)).unwrap().is_none());
+        assert!(stages.block(first, 1, part(0)).unwrap().is_none());
+        let block0 = stages.block(first, 0, part(0)).unwrap().unwrap();
+        assert_eq!(block0.iter().map(|p| p.tensors[0].layer).collect::<Vec<_>>(), [0, 1], "in stage order");
+        assert_eq!(stages.block(second, 1, part(1)).unwrap().unwrap().len(), 2);
+
+        assert!(stages.end(first, end(512, 2, 30.0)).unwrap().is_none());
+        let merged = stages.end(second, end(512, 1, 20.0)).unwrap().unwrap();
+        assert_eq!((merged.num_tokens, merged.blocks_emitted), (512, 1), "what every stage got to");
+        let timings: Vec<_> = merged.timings_ms.iter().map(|(k, v)| (k.as_str(), *v)).collect();
+        assert_eq!(timings, [("reconstruct", 30.0), ("reconstruct_stage0", 30.0), ("reconstruct_stage1", 20.0)]);
+    }
+
+    #[test]
+    fn stages_that_contradict_each_other_are_refused() {
+        let mut stages = Stages::default();
+        let first = Stage { index: 0, count: 2 };
+        assert_eq!(
+            stages.block(Stage { index: 2, count: 2 }, 0, part(0)).unwrap_err(),
+            StageError::OutOfRange { index: 2, count: 2 }
+        );
+        stages.block(first, 0, part(0)).unwrap();
+        assert_eq!(stages.block(first, 0, part(0)).unwrap_err(), StageError::DuplicatePart { stage: 0, block: 0 });
+        assert_eq!(
+            stages.block(Stage { index: 1, count: 3 }, 0, part(1)).unwrap_err(),
+            StageError::Inconsistent { index: 1, count: 3, known: 2 }
+        );
+        stages.end(first, end(1, 1, 1.0)).unwrap();
+        assert_eq!(stages.end(first, end(1, 1, 1.0)).unwrap_err(), StageError::DuplicateEnd { stage: 0 });
+    }
+
+    #[tokio::test]
+    async fn a_stage_names_itself_in_its_messages() {
+        let bytes = frame(
+            serde_json::json!({"type": "done", "request_id": "r", "num_tokens": 9, "blocks_emitted": 1, "stage": 1, "stages": 2}),
+            &[],
+        );
+        let (_, event) = read_message(&mut bytes.as_slice(), |_| Some(8)).await.unwrap().unwrap();
+        assert!(matches!(event, PluginEvent::Done { stage: Stage { index: 1, count: 2 }, .. }));
     }
 
     #[tokio::test]
@@ -388,10 +576,10 @@ mod tests {
                 let mut reader = bytes;
                 // Each message either parses within its bounds or ends the connection with an error.
                 while let Ok(Some((_, event))) = read_message(&mut reader, |id| (id == "r").then_some(LIMIT)).await {
-                    if let PluginEvent::Block { tensors, payload, .. } = event {
-                        prop_assert!(payload.len() <= LIMIT);
-                        for t in tensors {
-                            prop_assert!(t.offset + t.nbytes <= payload.len());
+                    if let PluginEvent::Block { part, .. } = event {
+                        prop_assert!(part.payload.len() <= LIMIT);
+                        for t in part.tensors {
+                            prop_assert!(t.offset + t.nbytes <= part.payload.len());
                         }
                     }
                 }

@@ -101,6 +101,13 @@ pub struct EngineConfig {
     /// Where fetched reconstruction bundles are kept.
     #[serde(default = "default_bundle_dir")]
     pub bundle_dir: PathBuf,
+    /// vLLM's pipeline stages (`--pipeline-parallel-size`): each stage
+    /// captures its own layers and sends its part of every block, which
+    /// prefilld assembles. Runs vLLM compiled rather than eager; vLLM-CPU also
+    /// wants each stage's cores in `env` (`VLLM_CPU_OMP_THREADS_BIND`,
+    /// "0-7|8-15").
+    #[serde(default = "default_pipeline_parallel_size")]
+    pub pipeline_parallel_size: u32,
     /// Extra arguments appended to vLLM's command line.
     #[serde(default)]
     pub extra_args: Vec<String>,
@@ -122,6 +129,20 @@ impl Validate for EngineConfig {
         if !["float32", "bfloat16", "float16"].contains(&self.dtype.as_str()) {
             return Err(ConfigError::invalid("engine.dtype", "must be float32, bfloat16 or float16"));
         }
+        if !(1..=64).contains(&self.pipeline_parallel_size) {
+            return Err(ConfigError::invalid("engine.pipeline_parallel_size", "must be between 1 and 64"));
+        }
+        // The capture differs with and without stages, so prefilld must know.
+        if let Some(arg) = self.extra_args.iter().find(|a| {
+            ["--pipeline-parallel-size", "-pp"]
+                .iter()
+                .any(|flag| a.as_str() == *flag || a.starts_with(&format!("{flag}=")))
+        }) {
+            return Err(ConfigError::invalid(
+                "engine.extra_args",
+                format!("{arg}: set engine.pipeline_parallel_size instead"),
+            ));
+        }
         Ok(())
     }
 }
@@ -134,6 +155,9 @@ fn default_plugin_dir() -> PathBuf {
 }
 fn default_dtype() -> String {
     "float32".into()
+}
+fn default_pipeline_parallel_size() -> u32 {
+    1
 }
 fn default_max_model_len() -> u32 {
     8192

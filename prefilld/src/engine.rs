@@ -298,23 +298,32 @@ fn command(config: &EngineConfig, num_layers: u32, port: u16) -> Command {
         "kv_role": "kv_producer",
         "kv_connector_extra_config": config.plugin,
     });
-    // Capture the residual stream entering every layer (ids 0..L-1): the input
-    // the decoder's cache is computed from.
-    let speculative = serde_json::json!({
-        "method": "extract_hidden_states",
-        "num_speculative_tokens": 1,
-        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": (0..num_layers).collect::<Vec<_>>()}},
-    });
     let mut cmd = Command::new(&config.python);
     cmd.args(["-m", "vllm.entrypoints.openai.api_server", "--model"])
         .arg(&config.model)
         .args(["--served-model-name", SERVED_MODEL, "--dtype", &config.dtype])
         .args(["--max-model-len", &config.max_model_len.to_string()])
-        .args(["--enforce-eager", "--no-enable-prefix-caching", "--host", "127.0.0.1"])
+        .args(["--no-enable-prefix-caching", "--host", "127.0.0.1"])
         .args(["--port", &port.to_string()])
-        .args(["--kv-transfer-config", &kv_transfer.to_string()])
-        .args(["--speculative-config", &speculative.to_string()])
-        .args(&config.extra_args)
+        .args(["--kv-transfer-config", &kv_transfer.to_string()]);
+    if config.pipeline_parallel_size > 1 {
+        // The stage route: no drafter (vLLM's V1 runner cannot run one on the
+        // earlier stages); each stage's model gives its connector its own
+        // layers' inputs. Not eager: vLLM-CPU runs later stages only compiled
+        // (eager mode skips the warm-up that sizes their input buffers).
+        cmd.args(["--pipeline-parallel-size", &config.pipeline_parallel_size.to_string()])
+            .args(["--additional-config", r#"{"pdbridge_capture": "stages"}"#]);
+    } else {
+        // The drafter route: capture the residual stream entering every layer
+        // (ids 0..L-1), the input the decoder's cache is computed from.
+        let speculative = serde_json::json!({
+            "method": "extract_hidden_states",
+            "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": (0..num_layers).collect::<Vec<_>>()}},
+        });
+        cmd.args(["--enforce-eager", "--speculative-config", &speculative.to_string()]);
+    }
+    cmd.args(&config.extra_args)
         .env("PYTHONPATH", &config.plugin_dir)
         .env("HF_HUB_OFFLINE", "1")
         .envs(&config.env)
@@ -350,6 +359,27 @@ mod tests {
         let at = args.iter().position(|a| a == "--kv-transfer-config").unwrap();
         let kv_transfer: serde_json::Value = serde_json::from_str(&args[at + 1]).unwrap();
         assert_eq!(kv_transfer["kv_connector_extra_config"], json!({"blocks_per_call": 32, "dense_weights": true}));
+    }
+
+    #[test]
+    fn pipeline_stages_start_vllm_without_the_drafter() {
+        let args = |toml: &str| -> Result<Vec<String>, String> {
+            let file = std::env::temp_dir().join(format!("pdb-engine-pp-{}.toml", std::process::id()));
+            std::fs::write(&file, toml).unwrap();
+            let sources = pdbridge_common::config::Sources { file: Some(file.clone()), ..Default::default() };
+            let config: Result<EngineConfig, _> = pdbridge_common::config::load(sources);
+            std::fs::remove_file(&file).unwrap();
+            let config = config.map_err(|e| e.to_string())?;
+            Ok(command(&config, 2, 8000).as_std().get_args().map(|a| a.to_string_lossy().into_owned()).collect())
+        };
+        let one = args("model = \"m\"").unwrap();
+        assert!(one.contains(&"--speculative-config".to_owned()) && one.contains(&"--enforce-eager".to_owned()));
+        let two = args("model = \"m\"\npipeline_parallel_size = 2").unwrap();
+        let at = two.iter().position(|a| a == "--pipeline-parallel-size").unwrap();
+        assert_eq!(two[at + 1], "2");
+        assert!(!two.contains(&"--speculative-config".to_owned()) && !two.contains(&"--enforce-eager".to_owned()));
+        let hidden = args("model = \"m\"\nextra_args = [\"--pipeline-parallel-size=2\"]").unwrap_err();
+        assert!(hidden.contains("set engine.pipeline_parallel_size instead"), "{hidden}");
     }
 
     fn kinds_and_thetas(config: serde_json::Value, layers: usize) -> Vec<(String, f64)> {

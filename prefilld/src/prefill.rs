@@ -19,7 +19,7 @@ use tokio::{sync::mpsc, task::JoinHandle, time::Instant};
 use tokio_stream::wrappers::ReceiverStream;
 
 use crate::{
-    capture::{PluginEvent, Registration, Router, TensorSlice},
+    capture::{PluginEvent, Registration, Router, Stages, TensorSlice},
     config::StreamConfig,
     engine::Vllm,
     handshake::{Decoder, Decoders},
@@ -201,20 +201,28 @@ impl Bridge {
         let mut bytes_sent = 0u64;
         let mut prefill_done_at: Option<Instant> = None;
         let mut first_block_at: Option<Instant> = None;
-        let end = loop {
+        let mut stages = Stages::default();
+        let end = 'events: loop {
             let grace = prefill_done_at.map(|t| t + END_EVENT_GRACE).unwrap_or(deadline).min(deadline);
             tokio::select! {
                 event = registration.events.recv() => match event {
-                    Some(PluginEvent::Block { index, tensors, payload }) => {
+                    Some(PluginEvent::Block { index, part, stage }) => {
                         // Block `whole_blocks` is the tail, when one was asked for.
                         let tail = index == whole_blocks && tail_tokens > 0;
                         if index < first_block || (index >= whole_blocks && !tail) {
                             break Err(fail(Reason::PrefillFailed, format!("plugin sent block {index} outside {first_block}..{whole_blocks}")));
                         }
+                        let parts = match stages.block(stage, index, part) {
+                            Ok(Some(parts)) => parts,
+                            Ok(None) => continue,
+                            Err(e) => break Err(fail(Reason::PrefillFailed, format!("plugin: {e}"))),
+                        };
                         first_block_at.get_or_insert_with(Instant::now);
-                        match self.send_block(stripes.sender(index), index, &tensors, payload).await {
-                            Ok(bytes) => bytes_sent += bytes,
-                            Err(failure) => break Err(failure),
+                        for part in parts {
+                            match self.send_block(stripes.sender(index), index, &part.tensors, part.payload).await {
+                                Ok(bytes) => bytes_sent += bytes,
+                                Err(failure) => break 'events Err(failure),
+                            }
                         }
                         if tail {
                             tail_sent = tail_tokens;
@@ -227,12 +235,17 @@ impl Bridge {
                         let progress = Progress { blocks_done: sent_blocks, blocks_total: num_blocks, bytes_sent, eta_seconds: eta };
                         let _ = events.send(PrefillEvent { event: Some(Event::Progress(progress)) }).await;
                     }
-                    Some(PluginEvent::Done { num_tokens, blocks_emitted, timings_ms }) => {
-                        stage_ms.extend(timings_ms);
-                        if num_tokens as usize != prompt.len() {
-                            break Err(fail(Reason::PrefillFailed, format!("captured {num_tokens} tokens of {}", prompt.len())));
+                    Some(PluginEvent::Done { end, stage }) => {
+                        let end = match stages.end(stage, end) {
+                            Ok(Some(end)) => end,
+                            Ok(None) => continue,
+                            Err(e) => break Err(fail(Reason::PrefillFailed, format!("plugin: {e}"))),
+                        };
+                        stage_ms.extend(end.timings_ms);
+                        if end.num_tokens as usize != prompt.len() {
+                            break Err(fail(Reason::PrefillFailed, format!("captured {} tokens of {}", end.num_tokens, prompt.len())));
                         }
-                        break Ok(blocks_emitted);
+                        break Ok(end.blocks_emitted);
                     }
                     Some(PluginEvent::Error { reason, message }) => break Err(fail(Reason::PrefillFailed, format!("plugin: {reason}: {message}"))),
                     None => break Err(fail(Reason::PrefillFailed, "plugin channel closed")),

@@ -435,17 +435,17 @@ impl Engines {
     /// prefilld with real vLLM; `extra` is appended: its `[[decoders]]`
     /// ([`decoders`]) and, for mutual TLS, `[tls]`.
     pub fn prefilld_config(&self, var_dir: &Path, extra: &str) -> String {
-        self.prefilld_config_parallel(var_dir, &[], extra)
+        self.prefilld_config_parallel(var_dir, "", extra)
     }
 
-    /// [`Engines::prefilld_config`] with vLLM spread over processes by `vllm_args` (e.g.
-    /// `--tensor-parallel-size 2`): one core bound to each process, as this rig has no second
-    /// NUMA node for vLLM's automatic binding.
-    pub fn prefilld_config_parallel(&self, var_dir: &Path, vllm_args: &[&str], extra: &str) -> String {
-        let (args, bind) = if vllm_args.is_empty() {
+    /// [`Engines::prefilld_config`] with vLLM spread over processes by `engine_keys` (more
+    /// `[engine]` keys, e.g. `pipeline_parallel_size = 2`): one core bound to each process, as
+    /// this rig has no second NUMA node for vLLM's automatic binding.
+    pub fn prefilld_config_parallel(&self, var_dir: &Path, engine_keys: &str, extra: &str) -> String {
+        let (args, bind) = if engine_keys.is_empty() {
             (String::new(), "")
         } else {
-            (format!("extra_args = {vllm_args:?}\n"), "VLLM_CPU_OMP_THREADS_BIND = \"0|1\"\n")
+            (format!("{engine_keys}\n"), "VLLM_CPU_OMP_THREADS_BIND = \"0|1\"\n")
         };
         format!(
             "{server}[engine]\npython = {python:?}\nplugin_dir = {plugin:?}\nmodel = {model:?}\ndtype = {dtype:?}\n\

@@ -110,6 +110,11 @@ class CachePath:
         self.dtype = dtype
         self.layers = list(layers) if layers is not None else list(range(len(templates)))
 
+    def restricted(self, layers: Iterable[int]) -> CachePath:
+        """The same path over only those of its layers in `layers` (a pipeline stage's part)."""
+        keep = set(layers)
+        return CachePath(self.model, self.templates, self.dtype, [lay for lay in self.layers if lay in keep])
+
     def is_recurrent(self, layer: int) -> bool:
         return codec_for(self.templates[layer]).kind == SNAPSHOT
 

@@ -2,7 +2,11 @@
 
 Load it with ``--kv-transfer-config '{"kv_connector": "PdBridgeConnector", "kv_connector_module_path":
 "pdbridge_vllm.connector", "kv_role": "kv_producer"}'`` together with the ``extract_hidden_states``
-speculative method capturing ids 0..L-1 (id i = the residual stream entering layer i).
+speculative method capturing ids 0..L-1 (id i = the residual stream entering layer i): the drafter
+route. Under pipeline parallelism vLLM is started without the drafter (its V1 runner cannot run one
+there; ``--additional-config '{"pdbridge_capture": "stages"}'`` says so) and each stage's connector
+takes its own layers' inputs from its model (`models.py`): the stage route, in which every stage
+sends its layers' part of each block on its own connection and prefilld assembles the block.
 
 Flow, per request that carries ``kv_transfer_params.pdbridge`` (all other requests: plain vLLM):
 
@@ -11,14 +15,16 @@ Flow, per request that carries ``kv_transfer_params.pdbridge`` (all other reques
    table in the hidden-states KV group, and whether the step completes the prompt. New requests
    also carry their params and prompt length. When the engine finishes a request
    (``request_finished``), the next step's metadata says so.
-2. Worker side, during the step: ``save_kv_layer`` for the hidden-states layer records the slots
-   the drafter wrote this step — the proof that the step's tokens were captured.
+2. Worker side, during the step: ``save_kv_layer`` records the step's slot mapping (of the drafter's
+   hidden-states layer, or on the stage route of a layer in the request's KV group): the proof
+   that the step's tokens were captured, and on the stage route which of the forward's rows is
+   which request's position.
 3. Worker side, ``wait_for_save`` (after the target and draft forwards, metadata bound): checks the
    step's tokens were captured, then, for every block ``b`` in ``[from_block, first_block +
    num_blocks)`` whose ``block_tokens`` tokens are now all captured (``from_block``: ``first_block``,
    or 0 when the decoder keeps a recurrent state, which the blocks before ``first_block`` only
-   advance), copies their hidden states out of
-   the paged cache (float32) and queues them to the streamer thread (`streamer.py`), which computes
+   advance), copies their hidden states out of the paged cache (the stage route: out of the rows
+   it kept from each step) and queues them to the streamer thread (`streamer.py`), which computes
    the decoder's cache with the decoder's own mlx-lm modules (`reconstruct.py`) — or, for a decoder
    that computes its own (``payload: layer_inputs``), casts them to its activation dtype — and
    writes the block to prefilld's unix socket. So
@@ -43,6 +49,7 @@ cache cannot be the decoder's bits anyway; see `reconstruct.load`). prefilld pas
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -51,14 +58,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
-    ExampleHiddenStatesConnector,
+    SupportsHMA,
 )
 
-from . import protocol
+from . import models, protocol
 from .streamer import BridgeParams, RequestStream, Streamer
 
 if TYPE_CHECKING:
@@ -120,37 +126,65 @@ class _WorkerState:
     captured: int = 0  # positions [0, captured) verified as captured
     next_block: int = 0
     finished: bool = False  # done or error queued; nothing more to do
+    # The stage route: captured positions [next_block * block_tokens, captured), [T, layers, hidden]
+    # pieces in order (nothing else keeps them after their step).
+    held: list[torch.Tensor] = field(default_factory=list)
 
     @property
     def params(self) -> BridgeParams:
         return self.stream.params
 
 
-class PdBridgeConnector(ExampleHiddenStatesConnector):
-    """Subclasses ExampleHiddenStatesConnector for its hidden-states group discovery and
-    `register_kv_caches`; replaces all of its file-writing (and CUDA-stream) machinery."""
+class PdBridgeConnector(KVConnectorBase_V1, SupportsHMA):
+    """Store-only: never loads external tokens, never delays freeing a request's blocks."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        draft_hf = vllm_config.speculative_config.draft_model_config.hf_config
-        self._capture_ids: list[int] = list(draft_hf.eagle_aux_hidden_state_layer_ids)
+        # The KV group whose block table (and slot mapping) locates a request's positions.
+        self._cache_kv_group_id = self._find_cache_kv_group_id(kv_cache_config)
+        self._block_size = (kv_cache_config.kv_cache_groups[self._cache_kv_group_id].kv_cache_spec.block_size
+                            if kv_cache_config is not None else vllm_config.cache_config.block_size)
+        self._is_tp_rank_zero = True
+        self._kv_cache: torch.Tensor | None = None  # the drafter route's hidden-states cache
         extra = self._kv_transfer_config.get_from_extra_config
         self._blocks_per_call = max(1, int(extra("blocks_per_call", 8)))
         # Scheduler side.
         self._sched: dict[str, _SchedState] = {}
         self._finished: dict[str, Any] = {}
-        # Worker side.
+        # Worker side. The streamer starts once the captured layers are known (register_kv_caches).
         self._reqs: dict[str, _WorkerState] = {}
         self._step_slots: torch.Tensor | None = None
-        self._streamer = (
-            Streamer(self._capture_ids, max_queued_mb=float(extra("max_queued_mb", 256)),
-                     socket_timeout_s=float(extra("socket_timeout_s", 60.0)),
-                     cpus=extra("streamer_cpus", "all"),
-                     mlx_streams=int(extra("mlx_streams", 2)),
-                     dense_weights=bool(extra("dense_weights", False)))
-            if role == KVConnectorRole.WORKER else None
-        )
+        self._slot_layers: set[str] = set()  # layers whose slot mapping is the step's
+        self._recorder = None  # the stage route's model (`models.Recorder`)
+        self._step_inputs: list[torch.Tensor] | None = None  # its inputs of this step's forward
+        self._streamer: Streamer | None = None
+        self._streamer_args = dict(max_queued_mb=float(extra("max_queued_mb", 256)),
+                                   socket_timeout_s=float(extra("socket_timeout_s", 60.0)),
+                                   cpus=extra("streamer_cpus", "all"),
+                                   mlx_streams=int(extra("mlx_streams", 2)),
+                                   dense_weights=bool(extra("dense_weights", False)))
+
+    @staticmethod
+    def _find_cache_kv_group_id(kv_cache_config: KVCacheConfig | None) -> int:
+        """The drafter route: its hidden-states group. The stage route: a full-attention group,
+        whose block table holds every position of a request (a sliding window's frees them)."""
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, HiddenStateCacheSpec
+
+        groups = kv_cache_config.kv_cache_groups if kv_cache_config is not None else []
+        for kind in (HiddenStateCacheSpec, FullAttentionSpec):
+            found = [gid for gid, g in enumerate(groups) if type(g.kv_cache_spec) is kind]
+            if found:
+                return found[0]
+        if len(groups) <= 1:
+            return 0
+        raise ValueError("pdbridge: no hidden-states or full-attention KV cache group to map a "
+                         "step's rows to requests")
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        # The drafter's hidden-states cache keeps a token's states together (vLLM's layout for it).
+        return None if models.stage_route(vllm_config) else "LBNHC"
 
     # ============================== scheduler side ==============================
 
@@ -195,8 +229,16 @@ class PdBridgeConnector(ExampleHiddenStatesConnector):
                                               st.prompt_done))
         return meta
 
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
+                                   ) -> tuple[int | None, bool]:
+        return 0, False  # store-only: never loads external tokens
+
     def update_state_after_alloc(self, request: Request, blocks, num_external_tokens: int):
-        pass  # store-only: never loads external tokens
+        pass
+
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished(request, [])  # block tables are not needed after a request
 
     def request_finished(self, request: Request, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
@@ -214,21 +256,67 @@ class PdBridgeConnector(ExampleHiddenStatesConnector):
     # ============================== worker side ==============================
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        # Tensor-parallel rank 0 emits; every rank holds the same hidden states.
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        self._is_tp_rank_zero = get_tensor_model_parallel_rank() == 0
+        stage = None
+        if models.stage_route(self._vllm_config):
+            capture_ids, stage = self._record_stage(kv_caches)
+        elif self._vllm_config.speculative_config is not None:
+            capture_ids = self._register_drafter_cache(kv_caches)
+        else:
+            raise RuntimeError(
+                "pdbridge: the connector captures with the extract_hidden_states drafter "
+                "(--speculative-config) or, under pipeline parallelism, on the stage route "
+                f"(--additional-config '{json.dumps(models.STAGE_ROUTE)}'); this engine has neither")
+        if self._is_tp_rank_zero:
+            self._streamer = Streamer(capture_ids, stage=stage, **self._streamer_args)
+
+    def _register_drafter_cache(self, kv_caches: dict[str, torch.Tensor]) -> list[int]:
+        """The drafter route: its hidden-states layer's paged cache. Returns the captured ids."""
         from vllm.config import get_layers_from_vllm_config
         from vllm.model_executor.models.extract_hidden_states import CacheOnlyAttentionLayer
 
-        if not get_layers_from_vllm_config(self._vllm_config, CacheOnlyAttentionLayer, list(kv_caches)):
-            # An earlier pipeline stage: vLLM carries its layers' inputs on to the last stage,
-            # whose capture layer holds every layer's. Nothing is emitted here.
-            self._is_tp_rank_zero = False
-            return
-        super().register_kv_caches(kv_caches)  # the emitting rank: tensor-parallel rank 0
+        layers = list(get_layers_from_vllm_config(self._vllm_config, CacheOnlyAttentionLayer, list(kv_caches)))
+        if len(layers) != 1:
+            raise RuntimeError(f"pdbridge: expected the drafter's one hidden-states layer, found {layers}")
+        self._kv_cache = kv_caches[layers[0]]
+        if self._kv_cache.shape[2] != self._block_size:
+            raise RuntimeError(f"pdbridge: hidden-states block size {self._kv_cache.shape[2]} != "
+                               f"its group's {self._block_size}")
+        self._slot_layers = set(layers)
+        draft_hf = self._vllm_config.speculative_config.draft_model_config.hf_config
+        return list(draft_hf.eagle_aux_hidden_state_layer_ids)
+
+    def _record_stage(self, kv_caches: dict[str, torch.Tensor]) -> tuple[list[int], tuple[int, int]]:
+        """The stage route: this pipeline stage's layers' inputs, from its model. Returns their ids
+        and the stage (index, count)."""
+        from vllm.distributed.parallel_state import get_pp_group
+
+        recorder = models.recorder()
+        if recorder is None or not recorder.captured_layers:
+            arch = self._vllm_config.model_config.architectures
+            raise RuntimeError(
+                f"pdbridge: without the capture drafter (pipeline parallelism) each stage takes its "
+                f"layers' inputs from the model, which {arch} cannot give; classes that can: "
+                f"{sorted(models.STAGED)}")
+        layers = list(recorder.captured_layers)
+        if self._is_tp_rank_zero:
+            recorder.want_stage_inputs(self._has_bridge_work)
+        self._recorder = recorder
+        group = self._kv_cache_config.kv_cache_groups[self._cache_kv_group_id]
+        self._slot_layers = set(group.layer_names) & set(kv_caches)
+        pp = get_pp_group()
+        logger.info("pdbridge: pipeline stage %d of %d captures layers %s", pp.rank_in_group,
+                    pp.world_size, layers)
+        return layers, (pp.rank_in_group, pp.world_size)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
                       attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
-        # Called after every attention layer; only the drafter's hidden-states layer matters. Its
-        # slot mapping is what was just written into the hidden-states cache.
-        if layer_name in self.cache_layers and self._has_bridge_work():
+        # Called after every attention layer; one layer's slot mapping is the step's (the
+        # drafter's hidden-states layer: what was just written into its cache).
+        if self._step_slots is None and layer_name in self._slot_layers and self._has_bridge_work():
             slots = getattr(attn_metadata, "slot_mapping", None)
             if slots is not None:
                 self._step_slots = slots.clone()
@@ -236,6 +324,8 @@ class PdBridgeConnector(ExampleHiddenStatesConnector):
     def wait_for_save(self) -> None:
         try:
             if self._is_tp_rank_zero and self._has_bridge_work():
+                if self._recorder is not None:
+                    self._step_inputs = self._recorder.take_stage_inputs()
                 self._process_step(self._get_connector_metadata())
         except Exception:  # never take the engine down; affected requests fail individually
             logger.exception("pdbridge: step processing failed")
@@ -244,15 +334,21 @@ class PdBridgeConnector(ExampleHiddenStatesConnector):
                     self._fail(st, protocol.INTERNAL, "step processing raised; see engine log")
         finally:
             self._step_slots = None
+            self._step_inputs = None
 
     def get_finished(self, finished_req_ids: set[str]
                      ) -> tuple[set[str] | None, set[str] | None]:
         return None, None  # nothing is ever sent asynchronously after a request finishes
 
+    def start_load_kv(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        pass
+
     def shutdown(self):
         if self._streamer is not None:
             self._streamer.close()
-        super().shutdown()
 
     def _has_bridge_work(self) -> bool:
         if not self.has_connector_metadata():
@@ -359,15 +455,35 @@ class PdBridgeConnector(ExampleHiddenStatesConnector):
         return table[pos // bs] * bs + pos % bs
 
     def _was_captured(self, st: _WorkerState, start: int, end: int) -> bool:
+        """Whether this step captured positions [start, end); the stage route keeps the new ones."""
         if self._step_slots is None:
             return False
         written = self._step_slots.to(device="cpu", dtype=torch.long)
-        return bool(torch.isin(self._slots(st, start, end), written).all())
+        wanted = self._slots(st, start, end)
+        if self._recorder is None:  # the drafter wrote them into its paged cache
+            return bool(torch.isin(wanted, written).all())
+        if not self._step_inputs or not len(written):
+            return False
+        # The forward's row of each wanted slot (slots are unique within a step).
+        order = torch.argsort(written)
+        rows = order[torch.searchsorted(written[order], wanted).clamp(max=len(written) - 1)]
+        if not bool((written[rows] == wanted).all()):
+            return False
+        keep = max(start, st.captured, st.next_block * st.params.block_tokens) - start
+        if keep < len(rows):
+            st.held.append(torch.stack([x[rows[keep:]] for x in self._step_inputs], dim=1).to("cpu"))
+        return True
 
     def _gather(self, st: _WorkerState, start: int, end: int) -> torch.Tensor:
-        """Copy positions [start, end) out of the paged hidden-states cache: [T, n_captured, hidden]
-        on the host, in the engine's dtype. A copy, so vLLM may free or reuse the blocks right
-        after; float32 conversion happens on the streamer thread."""
+        """Positions [start, end): [T, n_captured, hidden] on the host, in the engine's dtype, copied
+        out of the paged hidden-states cache (so vLLM may free or reuse the blocks right after) or,
+        on the stage route, taken from the rows held since their steps; float32 conversion happens
+        on the streamer thread."""
+        if self._recorder is not None:
+            held = torch.cat(st.held) if len(st.held) > 1 else st.held[0]
+            n = end - start  # `held` starts at `start`: blocks leave in order
+            st.held = [held[n:].clone()] if n < len(held) else []
+            return held[:n]
         slots = self._slots(st, start, end).to(self._kv_cache.device)
         bs = self._block_size
         return self._kv_cache[slots // bs, :, slots % bs].to("cpu")  # advanced indexing copies

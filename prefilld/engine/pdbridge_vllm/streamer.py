@@ -141,8 +141,12 @@ class Streamer:
 
     def __init__(self, capture_layer_ids: list[int], max_queued_mb: float = 256,
                  socket_timeout_s: float = 60.0, cpus: str | None = "all", mlx_streams: int = 2,
-                 max_bundles: int = 2, dense_weights: bool = False):
+                 max_bundles: int = 2, dense_weights: bool = False,
+                 stage: tuple[int, int] | None = None):
         self._capture_layer_ids = list(capture_layer_ids)
+        # (index, count) of this pipeline stage, which captures and sends only its own layers'
+        # part of every block; prefilld assembles a block from every stage's part. None: all.
+        self._stage = stage
         self._num_mlx_streams = max(1, mlx_streams)
         self._mlx_streams: list | None = None  # created on the streamer thread
         self._queue = _BoundedQueue(int(max_queued_mb * 2**20))
@@ -257,6 +261,12 @@ class Streamer:
             except reconstruct.BundleError as e:
                 self._fail(stream, e.reason, str(e))
                 raise _StreamFailed from None
+            if self._stage is not None:  # this stage's part of the decoder's layers
+                path = path.restricted(self._capture_layer_ids)
+                if not path.layers:
+                    self._fail(stream, protocol.BUNDLE_MISMATCH, f"the decoder has none of pipeline "
+                               f"stage {self._stage[0]}'s layers {self._capture_layer_ids}")
+                    raise _StreamFailed
             missing = [lay for lay in path.layers if lay not in self._capture_layer_ids]
             if missing:
                 self._fail(stream, protocol.BUNDLE_MISMATCH,
@@ -363,6 +373,8 @@ class Streamer:
         self._close(stream)
 
     def _send(self, stream: RequestStream, header: dict, payload=()) -> None:
+        if self._stage is not None:
+            header["stage"], header["stages"] = self._stage
         t0 = time.perf_counter()
         try:
             if stream.sock is None:  # lazily: the first message opens the request's connection

@@ -187,20 +187,21 @@ class BridgeCase(unittest.TestCase):
         p.update(over)
         return {"pdbridge": p}
 
-    def bridge(self, server: support.VllmServer, name: str, **kw) -> Bridged:
-        """One bridged request of the module's prompt on `server`, under a fresh request id."""
+    def bridge(self, server: support.VllmServer, name: str, streams: int = 1, **kw) -> Bridged:
+        """One bridged request of the module's prompt on `server`, under a fresh request id;
+        `streams`: the connections it arrives on (one per pipeline stage)."""
         rid = unique_id(name)
         t0 = time.perf_counter()
         reply = server.complete(FX.tokens, self.params(rid, **kw))
         t_reply = time.perf_counter()
-        return Bridged(rid, self.rx.wait_final(rid), t0, t_reply, reply)
+        return Bridged(rid, self.rx.wait_final(rid, streams=streams), t0, t_reply, reply)
 
-    def bridge_on_fresh_server(self, log_name: str, name: str, **server_kw) -> Bridged:
+    def bridge_on_fresh_server(self, log_name: str, name: str, streams: int = 1, **server_kw) -> Bridged:
         """Start a server, bridge the whole prompt once, stop it (one engine at a time)."""
         server = self.start_server(log_name, **server_kw)
         self.addCleanup(server.stop)
         try:
-            r = self.bridge(server, name)
+            r = self.bridge(server, name, streams)
         finally:
             server.stop()
         print(f"[{r.request_id}] POST→done {r.msgs[-1][0] - r.t0:.2f} s; "
@@ -371,6 +372,47 @@ class Bfloat16Test(BridgeCase):
         r = self.bridge_on_fresh_server("vllm-bf16.log", "req-bf16", dtype="bfloat16")
         self.assert_done(r)
         self.check_blocks(r.msgs, 0, T // B, "req-bf16", bound=BF16_REL_L2_BOUND, metric="rel_l2")
+
+
+class PipelineTest(BridgeCase):
+    def test_pipeline_stages_each_send_their_layers_of_every_block(self):
+        """vLLM with ``--pipeline-parallel-size 2`` (the stage route: no drafter, each stage's model
+        hands over its layers' inputs): a plain request answers as usual; each stage sends its own
+        layers' part of every block and its own done, tagged with its stage; the parts hold every
+        layer exactly once, and the blocks they make are within REL_BOUND of the decoder's native
+        cache."""
+        server = self.start_server("vllm-pp2.log", pipeline_stages=2)
+        self.addCleanup(server.stop)
+        self.assertEqual(len(server.complete(FX.tokens)["choices"]), 1, "a plain request")
+        r = self.bridge(server, "req-pp2", streams=2)
+        server.stop()
+        dones = {h["stage"]: h for _, h, _ in r.msgs if h["type"] == "done"}
+        self.assertEqual(sorted(dones), [0, 1], r.kinds)
+        parts: dict[int, dict[int, tuple[dict, bytes]]] = {}
+        for _, h, payload in r.msgs:
+            self.assertEqual(h.get("stages"), 2, h)
+            if h["type"] == "block":
+                self.assertNotIn(h["stage"], parts.setdefault(h["block_index"], {}), "a part sent twice")
+                parts[h["block_index"]][h["stage"]] = (h, payload)
+        for done in dones.values():
+            self.assertEqual((done["num_tokens"], done["blocks_emitted"]), (T, T // B), done)
+        stage_layers = [{t["layer"] for t in parts[0][stage][0]["tensors"]} for stage in (0, 1)]
+        self.assertFalse(stage_layers[0] & stage_layers[1])
+        self.assertEqual(stage_layers[0] | stage_layers[1], set(range(support.NUM_LAYERS)))
+        assembled = []
+        for b in sorted(parts):
+            self.assertEqual(sorted(parts[b]), [0, 1], f"block {b}")
+            tensors, payload = [], b""
+            for stage in (0, 1):
+                h, p = parts[b][stage]
+                self.assertEqual({t["layer"] for t in h["tensors"]}, stage_layers[stage])
+                tensors += [{**t, "offset": t["offset"] + len(payload)} for t in h["tensors"]]
+                payload += p
+            assembled.append((0.0, {"type": "block", "block_index": b, "tensors": tensors,
+                                    "payload_bytes": len(payload)}, payload))
+        self.check_blocks(assembled, 0, T // B, "pp2")
+        print(f"[pp2] stages' layers {[sorted(s) for s in stage_layers]}; timings "
+              f"{[dones[s]['timings_ms'] for s in (0, 1)]}")
 
 
 if __name__ == "__main__":

@@ -126,16 +126,14 @@ async fn one_prefiller_serves_two_decoders_at_once_each_into_its_own_store() {
     }
 }
 
-/// vLLM spread over two processes as `vllm_args` say bridges a cold prompt, every block once, as
+/// vLLM spread over two processes as `engine_keys` say bridges a cold prompt, every block once, as
 /// the decoder answers natively.
-async fn parallel_prefill_bridges_as_the_decoder_answers(name: &str, vllm_args: &[&str]) {
+async fn parallel_prefill_bridges_as_the_decoder_answers(name: &str, engines: Engines, engine_keys: &str) {
     let scratch = Scratch::new(name);
-    // The test model's 9 attention heads do not split over two ranks; the generated Llama 3's 4 do.
-    let engines = Engines::family("llama3");
     let port = Reserved::new();
     let config = engines.prefilld_config_parallel(
         &scratch.0.join("prefilld"),
-        vllm_args,
+        engine_keys,
         &decoders(&[format!("http://{}", port.addr())]),
     );
     let prefilld = Daemon::start("prefilld", &config).await;
@@ -150,7 +148,9 @@ async fn parallel_prefill_bridges_as_the_decoder_answers(name: &str, vllm_args: 
 
     let prompt = user(&license_text()[..2400]);
     let bridged = chat(&decoded, &prompt, "auto").await;
-    assert_eq!(bridged.verdict["outcome"], "bridged", "{}", bridged.verdict);
+    if bridged.verdict["outcome"] != "bridged" {
+        panic!("not bridged: {}\nprefilld's log:\n{}", bridged.verdict, prefilld.log_text());
+    }
     assert_eq!(bridged.cached_tokens(), bridged.prompt_tokens() - 1, "{}", bridged.verdict);
     let whole = bridged.prompt_tokens() / u64::from(BLOCK_TOKENS);
     assert_eq!(bridged.verdict["blocks"].as_u64(), Some(whole), "each block once: {}", bridged.verdict);
@@ -161,5 +161,16 @@ async fn parallel_prefill_bridges_as_the_decoder_answers(name: &str, vllm_args: 
 /// alone reconstructs and streams.
 #[tokio::test]
 async fn tensor_parallel_prefill_bridges_as_the_decoder_answers() {
-    parallel_prefill_bridges_as_the_decoder_answers("tp2", &["--tensor-parallel-size", "2"]).await;
+    // The test model's 9 attention heads do not split over two ranks; the generated Llama 3's 4 do.
+    let engines = Engines::family("llama3");
+    parallel_prefill_bridges_as_the_decoder_answers("tp2", engines, r#"extra_args = ["--tensor-parallel-size", "2"]"#)
+        .await;
+}
+
+/// Pipeline parallelism: each stage captures its own layers and sends its part of every block;
+/// prefilld pushes a block once every stage's part has arrived. The test model: a stage needs two
+/// layers or more, the generated Llama 3 has two in all.
+#[tokio::test]
+async fn pipeline_parallel_prefill_bridges_as_the_decoder_answers() {
+    parallel_prefill_bridges_as_the_decoder_answers("pp2", Engines::locate(), "pipeline_parallel_size = 2").await;
 }
