@@ -19,7 +19,7 @@ ENGINE_DIR = Path(__file__).resolve().parents[1]  # prefilld/engine
 REPO = ENGINE_DIR.parents[1]
 sys.path.insert(0, str(ENGINE_DIR))
 
-from pdbridge_vllm import protocol  # noqa: E402
+from pdbridge_vllm import models, protocol  # noqa: E402
 
 PYTHON = str(REPO / ".venv" / "bin" / "python")
 HF_DIR = REPO / "models" / "smollm2-hf"
@@ -143,7 +143,7 @@ class VllmServer:
         if plugin:
             self.cmd += ["--kv-transfer-config", connector_config(**(kv_extra or {}))]
             self.cmd += (["--speculative-config", speculative_config()] if pipeline_stages == 1  # the drafter route
-                         else ["--additional-config", json.dumps({"pdbridge_capture": "stages"})])
+                         else ["--additional-config", json.dumps(models.STAGE_ROUTE)])
         self.env = dict(os.environ, **server_env())
         if pipeline_stages > 1:
             # vLLM-CPU runs later stages only in its compiled mode (eager skips the warm-up that
