@@ -32,6 +32,13 @@ test model's (SmolLM2), so real text tokenizes as it does there. Families:
                  vLLM-CPU runs gated delta-net in bf16 only and with head dims of 128: the prefill
                  folder says bf16; the decoder runs fp32. (Qwen3.5's text model is the same hybrid,
                  but vLLM's qwen3_5 module needs torchvision, which the engines' environment leaves out.)
+    deepseek_v41 DeepSeek-V4.1 (mlx-lm's deepseek_v41), 4 layers over 4 hyper-connection streams, all
+                 MoE (4 experts, top 2, sqrt-softplus router, a shared expert), heads of 64 with a
+                 16-dim interleaved rope tail, sliding window 32; layer 0 the window only, layers 1
+                 and 3 pool their own compressed KV (ratios 4 and 16, softmax-gated groups) and index
+                 keys, layer 2 reads layer 1's; top 8 compressed entries per query. Unquantized fp32
+                 (MLX-CPU runs its expert layers in fp32 only). Decoder folder only: no prefill
+                 engine runs this family on this machine.
 All but llama-long have an untied output projection (see `tensor_specs`).
 
 Idempotent like prepare-model.py: a folder whose stamp matches is left alone.
@@ -260,6 +267,34 @@ FAMILIES = {
         "weights": {"bits": 8, "group_size": 64, "lm_head_scale": 4.0},
         "prefill_dtype": "bfloat16",
     },
+    "deepseek_v41": {
+        "architectures": ["DeepseekV41ForCausalLM"],
+        "model_type": "deepseek_v41",
+        "hidden_size": 128,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 2,
+        "head_dim": 64,
+        "q_lora_rank": 32,
+        "qk_rope_head_dim": 16,
+        "o_groups": 2,
+        "o_lora_rank": 32,
+        "moe_intermediate_size": 64,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "sliding_window": 32,
+        "compress_ratios": [0, 4, 4, 16],
+        "kv_source_layer_ids": [1, 3],
+        "index_source_layer_ids": [1, 3],
+        "index_n_heads": 2,
+        "index_head_dim": 32,
+        "index_topk": 8,
+        "hc_mult": 4,
+        "rms_norm_eps": 1e-06,
+        "max_position_embeddings": 8192,
+        "tie_word_embeddings": False,
+        "weights": {"bits": 0, "lm_head_scale": 4.0},
+        "prefill": False,
+    },
 }
 
 
@@ -392,6 +427,46 @@ def qwen3_next_layer(c: dict, w: dict, i: int) -> dict:
     )
 
 
+def deepseek_v41_layer(c: dict, w: dict, i: int) -> dict:
+    """Hyper-connection mixers before attention and the MoE, an attention with low-rank queries,
+    one shared KV projection, grouped low-rank outputs and sinks; a KV source layer's compressor
+    (gated unless its ratio is 1) and, on index layers, the indexer (its key path only where the
+    layer makes its own pools)."""
+    h, n, d = c["hidden_size"], w["norm"], c["head_dim"]
+    heads, q_rank, groups = c["num_attention_heads"], c["q_lora_rank"], c["o_groups"]
+    e, f, hc = c["n_routed_experts"], c["moe_intermediate_size"], c["hc_mult"]
+    mix = (2 + hc) * hc
+    layer = {"input_layernorm.weight": (n, (h,)), "post_attention_layernorm.weight": (n, (h,))}
+    for mixer in ("attn_hc", "ffn_hc"):
+        layer |= {f"{mixer}.fn": ("linear", (mix, hc * h)), f"{mixer}.base": ("bias", (mix,)),
+                  f"{mixer}.scale": (n, (3,))}
+    layer |= (
+        linear("self_attn.q_a_proj", q_rank, h) | {"self_attn.q_a_norm.weight": (n, (q_rank,))}
+        | linear("self_attn.q_b_proj", heads * d, q_rank)
+        | linear("self_attn.kv_proj", d, h) | {"self_attn.kv_norm.weight": (n, (d,))}
+        | linear("self_attn.o_a_proj", c["o_lora_rank"], heads * d // groups, experts=groups)
+        | linear("self_attn.o_b_proj", h, groups * c["o_lora_rank"])
+        | {"self_attn.sinks": ("sink", (heads,))}
+    )
+    ratio = c["compress_ratios"][i]
+    if i in c["kv_source_layer_ids"]:
+        layer |= linear("self_attn.compressor.kv_proj", d, h) | {"self_attn.compressor.kv_norm.weight": (n, (d,))}
+        if ratio > 1:
+            layer |= linear("self_attn.compressor.gate_proj", d, h)
+    if i in c["index_source_layer_ids"]:
+        idx = c["index_head_dim"]
+        layer |= (linear("self_attn.indexer.q_b_proj", c["index_n_heads"] * idx, q_rank)
+                  | linear("self_attn.indexer.weights_proj", c["index_n_heads"], h))
+        if i in c["kv_source_layer_ids"]:
+            layer |= linear("self_attn.indexer.k_proj", idx, d) | {"self_attn.indexer.k_norm.weight": (n, (idx,))}
+    return (
+        layer
+        | {"mlp.gate.weight": ("router", (e, h)), "mlp.gate.e_score_correction_bias": ("bias", (e,))}
+        | glu("mlp.experts.switch_mlp", h, f, experts=e)
+        | glu("mlp.shared_experts", h, f)
+    )
+
+
 # Per model_type: one layer's tensors; then, for layouts that differ, mlx-lm's -> the HF checkpoint's.
 LAYERS = {
     "llama": llama_layer,
@@ -400,6 +475,7 @@ LAYERS = {
     "deepseek_v3": deepseek_v3_layer,
     "gpt_oss": gpt_oss_layer,
     "qwen3_next": qwen3_next_layer,
+    "deepseek_v41": deepseek_v41_layer,
 }
 
 
@@ -529,6 +605,7 @@ def build_mlx(folder: Path, family: str, tokenizer_dir: Path) -> None:
     config = dict(FAMILIES[family])
     spec = DEFAULT_WEIGHTS | config.pop("weights", {})
     config.pop("prefill_dtype", None)
+    config.pop("prefill", None)
     config = {
         **config,
         "vocab_size": len(json.loads((folder / "tokenizer.json").read_text())["model"]["vocab"]),
@@ -564,6 +641,8 @@ def main() -> None:
     mlx_folder = args.out / f"tiny-{args.family}-mlx"
     hf_folder = args.out / f"tiny-{args.family}-hf"
     ensure(mlx_folder, stamp, lambda tmp: build_mlx(tmp, args.family, args.tokenizer))
+    if not FAMILIES[args.family].get("prefill", True):
+        return
     to_hf = TO_HF.get(FAMILIES[args.family]["model_type"])
     config = json.loads((mlx_folder / "config.json").read_text())
     relayout = to_hf and (lambda weights: to_hf(weights, config))

@@ -315,12 +315,12 @@ def compare(a: list[dict[str, list]], b: list[dict[str, list]]) -> tuple[int, in
     return equal, total, ulp, rel
 
 
-def continue_from(device, model, templates: list, parts: list, n: int, last: int, steps: int):
+def continue_from(device, model, path: CachePath, parts: list, n: int, last: int, steps: int):
     """The decoder on `device` after a cache restored from `parts` (tokens [0, n)), fed `last`:
     (first-token log-probabilities, greedy tokens)."""
     with mx.stream(mx.default_stream(device)):
         moved = [{k: [mx.array(x) for x in v] for k, v in layer.items()} for layer in parts]
-        cache = kinds.restore(templates, moved, n)
+        cache = kinds.restore(path.templates, moved, n, path.dtype)
         y, first, tokens = mx.array([[last]]), None, []
         for _ in range(steps):
             logits = model(y, cache=cache)[:, -1, :].astype(mx.float32)
@@ -353,7 +353,7 @@ def fidelity(args) -> dict:
                 start = (p * 7919 * 3) % max(1, len(ids) - length)
                 tokens = ids[start:start + length]
                 mx.set_default_device(mx.cpu)
-                _, hidden = native_prefill(model, tokens[:-1], 2048, {})  # the prefill engine's layer inputs
+                _, hidden, _ = native_prefill(model, tokens[:-1], 2048, {})  # the prefill engine's layer inputs
                 built = {name: blocks_on(device, path, hidden, length - 1) for name, device in backends.items()}
                 for pair in stats:
                     src, dst = pair.split("->")
@@ -361,8 +361,8 @@ def fidelity(args) -> dict:
                     e, t, u, r = compare(built[src], built[dst])
                     s["equal"], s["total"], s["ulp"], s["rel"] = s["equal"] + e, s["total"] + t, max(s["ulp"], u), max(s["rel"], r)
                     mx.set_default_device(backends[dst])
-                    theirs = continue_from(backends[dst], model, path.templates, built[src], length - 1, tokens[-1], args.steps)
-                    own = continue_from(backends[dst], model, path.templates, built[dst], length - 1, tokens[-1], args.steps)
+                    theirs = continue_from(backends[dst], model, path, built[src], length - 1, tokens[-1], args.steps)
+                    own = continue_from(backends[dst], model, path, built[dst], length - 1, tokens[-1], args.steps)
                     p_own = np.exp(own[0])
                     s["kl"].append(float(np.sum(p_own * (own[0] - theirs[0]))))
                     s["first_same"] += int(own[1][0] == theirs[1][0])

@@ -48,15 +48,25 @@ pub fn block_tensor(spec: &CacheSpec, layer: u32, name: &str) -> Option<Expected
 }
 
 /// [`block_tensor`] for `rows` tokens (a prompt's tail is shorter than a block);
-/// a snapshot layer's tensors have the same shape whatever the rows.
+/// a snapshot layer's tensors have the same shape whatever the rows, a pooled
+/// layer's exist only for whole blocks.
 pub fn rows_tensor(spec: &CacheSpec, layer: u32, name: &str, rows: u32) -> Option<Expected> {
     let layer = spec.layers.get(layer as usize)?;
     let tensor = layer.tensors.iter().find(|t| t.name == name)?;
     let mut shape = tensor.shape.clone();
-    if layer.kind() != CacheKind::Snapshot {
-        *shape.get_mut(tensor.token_axis as usize)? = rows as u64;
+    match layer.kind() {
+        CacheKind::Snapshot => {}
+        CacheKind::Pooled if rows != spec.block_tokens => return None,
+        CacheKind::Pooled => {}
+        _ => *shape.get_mut(tensor.token_axis as usize)? = rows as u64,
     }
     Some(Expected { dtype: tensor.dtype(), shape })
+}
+
+/// Whether a layer's cache can be computed from its block's inputs alone (per-token rows, or a
+/// window and pools), so that a block of layer inputs carries that layer.
+fn from_inputs(layer: &LayerSpec) -> bool {
+    matches!(layer.kind(), CacheKind::Rows | CacheKind::Pooled)
 }
 
 /// A layer's tensor in a [`Payload::LayerInputs`] block: its attention input.
@@ -68,7 +78,7 @@ pub const LAYER_INPUT: &str = "input";
 pub fn payload_tensor(spec: &CacheSpec, payload: Payload, layer: u32, name: &str, rows: u32) -> Option<Expected> {
     match payload {
         Payload::Cache => rows_tensor(spec, layer, name, rows),
-        Payload::LayerInputs => (name == LAYER_INPUT && spec.layers.get(layer as usize)?.kind() == CacheKind::Rows)
+        Payload::LayerInputs => (name == LAYER_INPUT && from_inputs(spec.layers.get(layer as usize)?))
             .then(|| Expected { dtype: spec.input_dtype(), shape: vec![u64::from(rows), u64::from(spec.hidden_size)] }),
     }
 }
@@ -77,7 +87,7 @@ pub fn payload_tensor(spec: &CacheSpec, payload: Payload, layer: u32, name: &str
 pub fn tensors_per_block(spec: &CacheSpec, payload: Payload) -> usize {
     match payload {
         Payload::Cache => spec.layers.iter().map(|l| l.tensors.len()).sum(),
-        Payload::LayerInputs => spec.layers.iter().filter(|l| l.kind() == CacheKind::Rows).count(),
+        Payload::LayerInputs => spec.layers.iter().filter(|l| from_inputs(l)).count(),
     }
 }
 
@@ -101,12 +111,23 @@ pub fn has_snapshots(spec: &CacheSpec) -> bool {
     spec.layers.iter().any(|l| l.kind() == CacheKind::Snapshot)
 }
 
-/// The prompt tokens whose whole blocks are stored. A recurrent state cannot be rewound, and the
-/// decoder must process a prompt's last token itself, so with a snapshot layer no stored block
-/// ends with it: the blocks are those of all but the last token.
+/// Why a prompt's tail (a partial block) cannot be stored for this spec; None when it can.
+pub fn tail_unsupported(spec: &CacheSpec) -> Option<String> {
+    spec.layers.iter().find(|l| l.kind() == CacheKind::Pooled).map(|layer| {
+        format!(
+            "layer {} ({}) stores a window and pooled groups per whole block: a partial block has none",
+            layer.index, layer.cache_class
+        )
+    })
+}
+
+/// The prompt tokens whose whole blocks are stored. A recurrent state or a pooled layer's blocks
+/// cannot be rewound, and the decoder must process a prompt's last token itself, so with such a
+/// layer no stored block ends with it: the blocks are those of all but the last token.
 pub fn storable<'t>(spec: &CacheSpec, tokens: &'t [u32]) -> &'t [u32] {
+    let unrewindable = spec.layers.iter().any(|l| matches!(l.kind(), CacheKind::Snapshot | CacheKind::Pooled));
     match tokens.split_last() {
-        Some((_, before_last)) if has_snapshots(spec) => before_last,
+        Some((_, before_last)) if unrewindable => before_last,
         _ => tokens,
     }
 }
@@ -131,7 +152,7 @@ pub fn unsupported(spec: &CacheSpec) -> Vec<String> {
     for layer in &spec.layers {
         let problem = match layer.kind() {
             CacheKind::Rows => rows_problem(layer),
-            CacheKind::Snapshot => snapshot_problem(layer),
+            CacheKind::Snapshot | CacheKind::Pooled => fixed_shape_problem(layer),
             CacheKind::Unsupported => Some(layer.unsupported_reason.clone()),
             CacheKind::Unspecified => Some(format!("{}: no cache kind", layer.cache_class)),
         };
@@ -152,7 +173,7 @@ fn rows_problem(layer: &LayerSpec) -> Option<String> {
     })
 }
 
-fn snapshot_problem(layer: &LayerSpec) -> Option<String> {
+fn fixed_shape_problem(layer: &LayerSpec) -> Option<String> {
     tensors_problem(layer).or_else(|| {
         layer
             .tensors
@@ -174,7 +195,7 @@ fn tensors_problem(layer: &LayerSpec) -> Option<String> {
 }
 
 /// Bytes the layers of `kind` cost: per token for [`CacheKind::Rows`], per block for
-/// [`CacheKind::Snapshot`].
+/// [`CacheKind::Snapshot`] and [`CacheKind::Pooled`].
 fn bytes_of(spec: &CacheSpec, kind: CacheKind) -> u64 {
     spec.layers
         .iter()
@@ -190,10 +211,14 @@ pub fn bytes_per_token(spec: &CacheSpec) -> u64 {
 }
 
 /// Bytes of one block of `rows` tokens as `payload` carries it: the cache's
-/// rows plus every snapshot layer's state, or the layers' inputs.
+/// rows plus every snapshot layer's state and pooled layer's block, or the layers' inputs.
 pub fn block_bytes(spec: &CacheSpec, payload: Payload, rows: u32) -> u64 {
     match payload {
-        Payload::Cache => u64::from(rows) * bytes_per_token(spec) + bytes_of(spec, CacheKind::Snapshot),
+        Payload::Cache => {
+            u64::from(rows) * bytes_per_token(spec)
+                + bytes_of(spec, CacheKind::Snapshot)
+                + bytes_of(spec, CacheKind::Pooled)
+        }
         Payload::LayerInputs => u64::from(rows) * layer_input_bytes_per_token(spec),
     }
 }
@@ -325,6 +350,55 @@ mod tests {
         assert!(block_keys(&spec, &[]).is_empty());
         let mut empty = spec.clone();
         empty.layers[0].tensors[1].shape = vec![1, 0, 8];
+        assert!(unsupported(&empty)[0].contains("holds nothing"), "{:?}", unsupported(&empty));
+    }
+
+    /// small_spec with layer 0 a DeepSeek-V4.1 layer: a packed 32-row window and 4 pooled rows per block.
+    fn pooled_spec() -> CacheSpec {
+        let mut spec = small_spec();
+        let packed = |name: &str, dtype: Dtype, shape: Vec<u64>| TensorSpec {
+            name: name.into(),
+            dtype: dtype as i32,
+            shape,
+            token_axis: 1,
+        };
+        spec.layers[0] = LayerSpec {
+            index: 0,
+            cache_class: "LayerCache".into(),
+            kind: CacheKind::Pooled as i32,
+            window: 32,
+            tensors: vec![
+                packed("window", Dtype::U32, vec![1, 32, 16]),
+                packed("window_scales", Dtype::U8, vec![1, 32, 2]),
+                packed("compress_kv", Dtype::U32, vec![1, 4, 8]),
+            ],
+            ..Default::default()
+        };
+        spec.spec_fingerprint = fingerprint(&spec);
+        spec
+    }
+
+    #[test]
+    fn a_pooled_layer_holds_whole_blocks_only_and_no_block_ends_with_the_last_token() {
+        let spec = pooled_spec();
+        assert_eq!(unsupported(&spec), Vec::<String>::new());
+        assert_eq!(block_tensor(&spec, 0, "window").unwrap().shape, vec![1, 32, 16]);
+        assert_eq!(block_tensor(&spec, 0, "compress_kv").unwrap().shape, vec![1, 4, 8]);
+        // A tail has no window or pools of its own: neither the tensors nor the tail exist.
+        assert!(rows_tensor(&spec, 0, "window", 5).is_none());
+        assert_eq!(rows_tensor(&spec, 1, "keys", 5).unwrap().shape, vec![1, 3, 5, 64]);
+        assert!(tail_unsupported(&spec).unwrap().starts_with("layer 0 (LayerCache)"));
+        assert_eq!(tail_unsupported(&hybrid_spec()), None);
+        assert_eq!(block_bytes(&spec, Payload::Cache, 16), 16 * 2 * 3 * 64 * 4 + (32 * 16 * 4 + 32 * 2 + 4 * 8 * 4));
+        let tokens: Vec<u32> = (0..32).collect();
+        assert_eq!(block_keys(&spec, &tokens).len(), 1);
+        assert_eq!(block_keys(&spec, &tokens[..17]).len(), 1);
+        // The decoder computes a pooled layer from one block's inputs, as it does rows.
+        assert_eq!(payload_unsupported(&spec, Payload::LayerInputs), None);
+        assert_eq!(tensors_per_block(&spec, Payload::LayerInputs), 2);
+        assert!(payload_tensor(&spec, Payload::LayerInputs, 0, LAYER_INPUT, 16).is_some());
+        let mut empty = spec.clone();
+        empty.layers[0].tensors[2].shape = vec![1, 0, 8];
         assert!(unsupported(&empty)[0].contains("holds nothing"), "{:?}", unsupported(&empty));
     }
 

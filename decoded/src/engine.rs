@@ -405,6 +405,7 @@ fn to_spec(reply: InfoReply) -> Result<EngineInfo, EngineError> {
             let kind = match l.kind.as_str() {
                 "rows" => CacheKind::Rows,
                 "snapshot" => CacheKind::Snapshot,
+                "pooled" => CacheKind::Pooled,
                 "unsupported" => CacheKind::Unsupported,
                 other => return Err(EngineError::Protocol(format!("layer {}: unknown cache kind {other:?}", l.index))),
             };

@@ -50,6 +50,8 @@ pub enum IngestError {
         "a tail of {tail_tokens} tokens must be shorter than a block and end before the last of {prompt_tokens} tokens"
     )]
     BadTail { tail_tokens: u32, prompt_tokens: usize },
+    #[error("no tail can be stored: {0}")]
+    TailUnsupported(String),
     #[error("payload {0} is not a Payload")]
     UnknownPayload(i32),
     #[error("layer inputs: {0}")]
@@ -123,6 +125,9 @@ impl Ingest {
         let tail_end = keys.len() * spec.block_tokens as usize + open.tail_tokens as usize;
         if open.tail_tokens >= spec.block_tokens || (open.tail_tokens > 0 && tail_end >= open.token_ids.len()) {
             return Err(IngestError::BadTail { tail_tokens: open.tail_tokens, prompt_tokens: open.token_ids.len() });
+        }
+        if let Some(problem) = spec::tail_unsupported(&spec).filter(|_| open.tail_tokens > 0) {
+            return Err(IngestError::TailUnsupported(problem));
         }
         let tensors_per_block = spec::tensors_per_block(&spec, payload);
         Ok(Ingest {

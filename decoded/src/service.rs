@@ -107,7 +107,9 @@ pub fn status_of(err: &ServiceError) -> Status {
             IngestError::Store(StoreError::TooLarge { .. } | StoreError::NoSpace { .. }) => Code::ResourceExhausted,
             IngestError::Store(_) => Code::Internal,
             IngestError::NoEngine(EngineError::NotReady) => Code::Unavailable,
-            IngestError::NoEngine(_) | IngestError::PayloadUnsupported(_) => Code::FailedPrecondition,
+            IngestError::NoEngine(_) | IngestError::PayloadUnsupported(_) | IngestError::TailUnsupported(_) => {
+                Code::FailedPrecondition
+            }
             IngestError::Reconstruct { source: ReconstructError::Engine(EngineError::NotReady), .. } => {
                 Code::Unavailable
             }

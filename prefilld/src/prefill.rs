@@ -153,8 +153,10 @@ impl Bridge {
         }
         let num_blocks = whole_blocks - first_block;
         // The tail after the last whole block, all but the prompt's last token:
-        // shorter than a block by construction.
-        let tail_tokens = if job.tail { (job.token_ids.len() as u32 - 1).saturating_sub(whole_blocks * b) } else { 0 };
+        // shorter than a block by construction. A pooled layer stores none; the
+        // decoder computes those tokens itself.
+        let tail = job.tail && spec::tail_unsupported(&decoder.spec).is_none();
+        let tail_tokens = if tail { (job.token_ids.len() as u32 - 1).saturating_sub(whole_blocks * b) } else { 0 };
         let prompt = &job.token_ids[..(whole_blocks * b + tail_tokens) as usize];
         let registration = &mut job.registration;
         registration.expect_blocks(spec::block_bytes(&decoder.spec, job.payload, b) as usize);

@@ -4,8 +4,8 @@ The decoder prefills a prompt natively (mlx-lm's `generate_step`, its chunking, 
 while each layer's input is recorded; the cache path rebuilt from the decoder's bundle (what the
 prefill plugin runs) then reconstructs every block — and the partial one after them, as a prompt's
 tail — from those same inputs, and each tensor is compared with the decoder's cache: rows with the
-native cache's rows, a recurrent layer's state with the state of a native prefill that ends where
-the block ends. Used by the tests and by `bench/models.py`.
+native cache's rows, a recurrent layer's state (a pooled layer's window and groups) with that of a
+native prefill that ends where the block ends. Used by the tests and by `bench/models.py`.
 """
 
 from __future__ import annotations
@@ -35,25 +35,35 @@ class _RecordInput:
         return self.norm(x)
 
 
-def native_prefill(model: Any, tokens: list[int], prefill_step_size: int, kv_args: dict) -> tuple[list, list]:
-    """The decoder's caches after prefilling `tokens` as a native generation does, and each
-    layer's input for the tokens it processed: ([cache per layer], [mx [T, hidden] per layer])."""
+def native_prefill(model: Any, tokens: list[int], prefill_step_size: int, kv_args: dict,
+                   block_tokens: int | None = None) -> tuple[list, list, list]:
+    """The decoder's caches after prefilling `tokens` as a native generation does, each layer's
+    input for the tokens it processed, and, with `block_tokens`, the prompt prefilled block by
+    block (as the decoder exports it) and each layer's block tensors after every block but of its
+    rows: ([cache per layer], [mx [T, hidden] per layer], [{layer: {name: array}} per block])."""
     blocks = list(model.layers)
     inputs: list[list] = [[] for _ in blocks]
     norms = [block.input_layernorm for block in blocks]
+    step = block_tokens or len(tokens)
+    ends = []
     try:
         for block, norm, sink in zip(blocks, norms, inputs):
             block.input_layernorm = _RecordInput(norm, sink)
         cache = make_prompt_cache(model)
-        for _ in generate_step(mx.array(tokens), model, prompt_cache=cache, max_tokens=0,
-                               prefill_step_size=prefill_step_size, **kv_args):
-            pass
+        for lo in range(0, len(tokens), step):
+            chunk = tokens[lo:lo + step]
+            for _ in generate_step(mx.array(chunk), model, prompt_cache=cache, max_tokens=0,
+                                   prefill_step_size=prefill_step_size, **kv_args):
+                pass
+            if block_tokens:
+                ends.append({layer: codec_for(c).block_tensors(c, len(chunk)) for layer, c in enumerate(cache)
+                             if codec_for(c).kind != ROWS})
     finally:
         for block, norm in zip(blocks, norms):
             block.input_layernorm = norm
     hidden = [mx.concatenate(x, axis=1)[0] for x in inputs]
-    mx.eval(hidden, [c.state for c in cache])
-    return cache, hidden
+    mx.eval(hidden, [c.state for c in cache], ends)
+    return cache, hidden, ends
 
 
 @dataclass
@@ -81,22 +91,21 @@ def same_input(model: Any, cache_path: CachePath, tokens: list[int], block_token
     """Reconstructs every block of `tokens` (the last one partial, if the length says so) from the
     decoder's own layer inputs with `cache_path` and compares each tensor with the decoder's native
     cache: rows where that cache still holds them (a sliding window keeps only its last rows), a
-    state with the native state after the block's last token."""
-    cache, hidden = native_prefill(model, tokens, prefill_step_size, kv_args)
+    state (or a pooled layer's window and the groups the block closed) with the native cache's after
+    the block's last token. With such layers the native prefill runs block by block, as the decoder
+    exports; otherwise in one go, chunked as generation chunks it (not along block boundaries)."""
+    by_block = block_tokens if cache_path.per_block else None
+    cache, hidden, ends = native_prefill(model, tokens, prefill_step_size, kv_args, by_block)
     native = [codec_for(c).tensors(c) for c in cache]
     result = Conformance()
     processed = hidden[0].shape[0]
     states = cache_path.new_states()
-    for lo in range(0, processed, block_tokens):
+    for k, lo in enumerate(range(0, processed, block_tokens)):
         hi = min(lo + block_tokens, processed)
         block_inputs = mx.stack([hidden[layer][lo:hi] for layer in cache_path.layers], axis=1)
-        native_states = None
         for layer, name, got in cache_path.block(block_inputs, lo, states=states):
             if codec_for(cache[layer]).kind != ROWS:
-                if native_states is None:  # the decoder's own state after tokens [0, hi)
-                    ended = native_prefill(model, tokens[:hi], prefill_step_size, kv_args)[0]
-                    native_states = [codec_for(c).tensors(c) for c in ended]
-                result.add(got, native_states[layer][name])
+                result.add(got, ends[k][layer][name])
                 continue
             want = native[layer][name]
             first = cache[layer].offset - want.shape[TOKEN_AXIS]  # the first token the cache still holds

@@ -8,7 +8,9 @@ cache class (so a QuantizedKVCache quantizes exactly as the decoder's does) and 
 attention, so queries, SDPA and the output projection never run (MLX is lazy: the query path is
 never even evaluated). A recurrent layer (``linear_attn``, e.g. a gated delta-net) runs whole on
 its block with the request's state so far, which it advances: its output is never evaluated,
-its state is the block's. No architecture's math is ported here: a model mlx-lm runs, this runs.
+its state is the block's. A pooled layer (DeepSeek-V4.1's window and compressor) runs its whole
+attention module into an empty cache of its class; only the cache is evaluated. No architecture's
+math is ported here: a model mlx-lm runs, this runs.
 
 The *bundle* carries what that needs: the decoder's config and, per layer, the input norm and the
 attention parameters its cache depends on (found by probing: a parameter group is shipped when
@@ -27,16 +29,16 @@ from typing import Any, Iterable
 
 import mlx.core as mx
 import mlx_lm
-from mlx.utils import tree_flatten, tree_map
+from mlx.utils import tree_flatten, tree_unflatten
 
-from .kinds import SNAPSHOT, codec_for, decoder_caches
+from .kinds import POOLED, ROWS, SNAPSHOT, codec_for, decoder_caches
 from .safetensors_io import DTYPE_NAMES, dtype_name
 
 BUNDLE_FORMAT = "pdbridge-bundle-v2"
 # The module of a decoder block that writes its cache: attention, or a recurrent layer's.
 _ATTENTION, _RECURRENT = "self_attn", "linear_attn"
-# A parameter of layer N's cache path: its input norm or a top-level entry of that module.
-_LAYER_PARAM = re.compile(r"(?:^|\.)layers\.(\d+)\.(input_layernorm|self_attn|linear_attn)\.([^.]+)")
+# A parameter of layer N's cache path: its input norm or a parameter of that module (its path there).
+_LAYER_PARAM = re.compile(r"(?:^|\.)layers\.(\d+)\.(input_layernorm|self_attn|linear_attn)\.(.+)$")
 # mlx-lm's RoPE modules, by the rope type a HF config names (what vLLM applies).
 _ROPE_KIND = {
     "Llama3RoPE": "llama3",
@@ -67,6 +69,19 @@ class _Recorder:
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         self.inner.update_and_fetch(keys, values)
         raise _Recorded
+
+
+def _owner(name: str) -> str:
+    """The module that owns a parameter (`indexer.k_proj.weight` -> `indexer.k_proj`); a module's
+    own array (`sinks`) owns itself."""
+    return name.rsplit(".", 1)[0] if "." in name else name
+
+
+def _owners(module: Any) -> dict[str, list[tuple[str, mx.array]]]:
+    owners: dict[str, list[tuple[str, mx.array]]] = {}
+    for name, array in tree_flatten(module.parameters()):
+        owners.setdefault(_owner(name), []).append((name, array))
+    return owners
 
 
 def versions() -> dict[str, str]:
@@ -123,6 +138,12 @@ class CachePath:
         """Whether a block's tensors depend on every block before it (a layer keeps a state)."""
         return any(self.is_recurrent(layer) for layer in self.layers)
 
+    @property
+    def per_block(self) -> bool:
+        """Whether blocks must be computed one by one: a layer's tensors are not one row per token
+        (a state, or a window and pools), so several blocks' tensors cannot be cut from one call."""
+        return any(codec_for(self.templates[layer]).kind != ROWS for layer in self.layers)
+
     def module(self, layer: int) -> Any:
         """The decoder's module that writes layer `layer`'s cache (attention, or recurrent)."""
         block = self.model.layers[layer]
@@ -145,6 +166,10 @@ class CachePath:
             state = state if state is not None else codec.fresh(template)
             self.module(layer)(x, None, state)
             return codec.tensors(state)
+        if codec.kind == POOLED:
+            pooled = codec.fresh(template)
+            codec.fill(self.module(layer), x, offset, pooled)
+            return codec.block_tensors(pooled, x.shape[1])
         inner = codec.fresh(template)
         try:
             self.module(layer)(x, mask=None, cache=_Recorder(inner, offset))
@@ -180,25 +205,28 @@ class CachePath:
 
     # ---- the decoder's side: what the bundle must carry ----------------------------------------
 
-    def needed_params(self) -> list[tuple[str, mx.array]]:
+    def needed_params(self, probe_tokens: int = 2) -> list[tuple[str, mx.array]]:
         """Input norms and the parameters of the module that writes each layer's cache (attention
-        or recurrent) that the cache depends on, by name."""
+        or recurrent) that the cache depends on, by name, probed per owner (a projection's weight,
+        scales and biases together; a submodule's projections one by one). `probe_tokens`: how
+        many tokens the probe runs (a pooled layer writes a group only once it has a block's)."""
         needed: dict[int, set[str]] = {}
         for layer in self.layers:
             module = self.module(layer)
-            probe = mx.random.normal((1, 2, self.hidden_size), key=mx.random.key(layer))
+            probe = mx.random.normal((1, probe_tokens, self.hidden_size), key=mx.random.key(layer))
             baseline = self.layer_tensors(layer, probe, 0)
             needed[layer] = set()
-            for key, value in module.parameters().items():
-                module.update({key: tree_map(mx.zeros_like, value)})
+            for owner, params in _owners(module).items():
+                module.update(tree_unflatten([(n, mx.zeros_like(a)) for n, a in params]))
                 changed = self.layer_tensors(layer, probe, 0)
-                module.update({key: value})
+                module.update(tree_unflatten(params))
                 if any(not mx.array_equal(baseline[n], changed[n]).item() for n in baseline):
-                    needed[layer].add(key)
+                    needed[layer].add(owner)
         out = []
         for name, array in tree_flatten(self.model.parameters()):
             m = _LAYER_PARAM.search(name)
-            if m and int(m.group(1)) in needed and (m.group(2) == "input_layernorm" or m.group(3) in needed[int(m.group(1))]):
+            if m and int(m.group(1)) in needed and (m.group(2) == "input_layernorm"
+                                                    or _owner(m.group(3)) in needed[int(m.group(1))]):
                 out.append((name, array))
         return sorted(out)
 

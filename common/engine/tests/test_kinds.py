@@ -68,10 +68,10 @@ class CacheKindsTest(unittest.TestCase):
         for dtype, bits in [(mx.float32, None), (mx.bfloat16, 4)]:
             with self.subTest(dtype=str(dtype), kv_bits=bits):
                 engine = self.engine(dtype, bits, 32)
-                native, _ = native_prefill(engine.model, self.tokens, STEP, engine.kv_args)
+                native, _, _ = native_prefill(engine.model, self.tokens, STEP, engine.kv_args)
                 n = 3 * BLOCK
                 rows = [{k: [a] for k, a in kinds.codec_for(c).tensors(c).items()} for c in native]
-                restored = kinds.restore(engine.templates, rows, n)
+                restored = kinds.restore(engine.templates, rows, n, dtype)
 
                 def greedy(cache, tokens):
                     steps = generate_step(mx.array(tokens), engine.model, prompt_cache=cache, max_tokens=12,
@@ -103,13 +103,13 @@ class CacheKindsTest(unittest.TestCase):
                 self.assertEqual(result.tensors_exact, result.tensors_total, result)
 
                 n = 3 * BLOCK
-                _, hidden = native_prefill(engine.model, self.tokens[:n], STEP, engine.kv_args)
+                _, hidden, _ = native_prefill(engine.model, self.tokens[:n], STEP, engine.kv_args)
                 rows: list[dict[str, list]] = [{} for _ in hidden]
                 for b in range(n // BLOCK):
                     block = mx.stack([h[b * BLOCK:(b + 1) * BLOCK] for h in hidden], axis=1)
                     for layer, name, array in path.block(block, b * BLOCK):
                         rows[layer].setdefault(name, []).append(array)
-                restored = kinds.restore(engine.templates, rows, n)
+                restored = kinds.restore(engine.templates, rows, n, mx.float32)
 
                 def greedy(cache, tokens):
                     steps = generate_step(mx.array(tokens), engine.model, prompt_cache=cache, max_tokens=12,
@@ -156,14 +156,14 @@ class CacheKindsTest(unittest.TestCase):
         self.assertEqual(result.tensors_total, 6 * (3 * 2 + 2))
         self.assertEqual(result.tensors_exact, result.tensors_total, result)
 
-        _, hidden = native_prefill(engine.model, prompt, STEP, engine.kv_args)
+        _, hidden, _ = native_prefill(engine.model, prompt, STEP, engine.kv_args)
         parts: list[dict[str, list]] = [{} for _ in hidden]
         states = path.new_states()
         for lo in range(0, len(prompt), BLOCK):
             block = mx.stack([h[lo:lo + BLOCK] for h in hidden], axis=1)
             for layer, name, array in path.block(block, lo, states=states):
                 parts[layer].setdefault(name, []).append(array)
-        restored = kinds.restore(engine.templates, parts, len(prompt))
+        restored = kinds.restore(engine.templates, parts, len(prompt), mx.float32)
 
         def greedy(cache, tokens):
             steps = generate_step(mx.array(tokens), engine.model, prompt_cache=cache, max_tokens=12,
@@ -171,6 +171,55 @@ class CacheKindsTest(unittest.TestCase):
             return [int(t) for t, _ in steps]
 
         self.assertEqual(greedy(restored, self.tokens[-1:]), greedy(make_prompt_cache(engine.model), self.tokens))
+
+    def test_deepseek_v41_windows_and_pools_are_the_decoders_at_every_block_end(self):
+        """DeepSeek-V4.1 (LayerCache: an fp8-rounded sliding window; pooled fp4-rounded compressed
+        rows and index keys in layers 1 and 3). Per block: the window and the groups the block
+        closed, packed in MLX's mxfp8/nvfp4/mxfp4 (a quarter of the fp32 bytes, lossless).
+        Reconstructed from the decoder's own layer inputs, every tensor of every block is the
+        decoder's own, the bundle ships only the KV path (not the queries, the indexer's query path
+        or the outputs), and the decoder's exported blocks restore at a block boundary to a cache
+        that answers as the decoder does. Blocks the pools or the window do not fit are refused."""
+        engine = self.engine(mx.float32, model=MODELS / "tiny-deepseek_v41-mlx")
+        layers = engine.spec["layers"]
+        self.assertEqual({(l["cache_class"], l["kind"], l["window"]) for l in layers}, {("LayerCache", kinds.POOLED, 32)})
+        shapes = {t["name"]: (t["dtype"], t["shape"]) for t in layers[1]["tensors"]}
+        self.assertEqual(shapes, {"window": ("U32", [1, 32, 16]), "window_scales": ("U8", [1, 32, 2]),
+                                  "compress_kv": ("U32", [1, BLOCK // 4, 8]), "compress_kv_scales": ("U8", [1, BLOCK // 4, 4]),
+                                  "index_k": ("U32", [1, BLOCK // 4, 4]), "index_k_scales": ("U8", [1, BLOCK // 4, 1])})
+        self.assertEqual([t["name"] for t in layers[2]["tensors"]], ["window", "window_scales"])
+        self.assertEqual([t["shape"][1] for t in layers[3]["tensors"]][2:], [BLOCK // 16] * 4)
+        shipped = {re.sub(r"^.*layers\.\d+\.", "", name).rsplit(".", 1)[0] for name in mx.load(str(engine.bundle_path))}
+        self.assertEqual(shipped, {"input_layernorm", "self_attn.kv_proj", "self_attn.kv_norm",
+                                   "self_attn.compressor.kv_proj", "self_attn.compressor.gate_proj",
+                                   "self_attn.compressor.kv_norm", "self_attn.indexer.k_proj", "self_attn.indexer.k_norm"})
+        prompt = self.tokens[:5 * BLOCK]
+        path = CachePath.from_bundle(str(engine.bundle_path))
+        result = same_input(engine.model, path, prompt, BLOCK, STEP, engine.kv_args)
+        self.assertEqual(result.tensors_total, 5 * sum(len(l["tensors"]) for l in layers))
+        self.assertEqual(result.tensors_exact, result.tensors_total, result)
+
+        exported = engine.export({"tokens": prompt, "dir": str(Path(self.tmp.name, "v41-blocks"))})
+        self.assertEqual(exported["blocks"], 5)
+        cache, cached = engine._restore(exported["files"][:3], None, self.tokens, None)
+        self.assertEqual((cached, [c.offset for c in cache]), (3 * BLOCK, [3 * BLOCK] * 4))
+
+        def greedy(cache, tokens):
+            steps = generate_step(mx.array(tokens), engine.model, prompt_cache=cache, max_tokens=12,
+                                  prefill_step_size=STEP)
+            return [int(t) for t, _ in steps]
+
+        self.assertEqual(greedy(cache, self.tokens[cached:]), greedy(make_prompt_cache(engine.model), self.tokens))
+        with self.assertRaisesRegex(Exception, "cannot be rewound"):  # blocks ending with the last token
+            engine._restore(exported["files"], None, prompt, None)
+        with self.assertRaisesRegex(ValueError, "mxfp8 cannot hold"):  # values mlx-lm never rounded
+            kinds.codec_for(cache[0]).pack({"window": mx.random.normal((1, 32, 64), key=mx.random.key(0))})
+        for block_tokens, reason in [(40, "leaves 8 in an open compression group"),
+                                     (16, "shorter than the sliding window of 32")]:
+            with self.subTest(block_tokens=block_tokens):
+                other = Engine(str(MODELS / "tiny-deepseek_v41-mlx"), block_tokens=block_tokens, dtype=mx.float32,
+                               bundle_dir=self.tmp.name)
+                self.assertIn(reason, other.spec["layers"][3]["unsupported_reason"])
 
     def test_a_cache_without_a_codec_is_described_as_unsupported(self):
         cache = CacheList(KVCache(), KVCache())

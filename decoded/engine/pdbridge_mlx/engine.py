@@ -105,10 +105,12 @@ class Engine:
         layer_specs = self._probe_cache(kinds.decoder_caches(self.model, kv_bits, kv_group_size))
         self.spec = self._make_spec(model_id or self.model_dir.name, layer_specs, dtype)
         bridged = [l["index"] for l in layer_specs if l["kind"] != kinds.UNSUPPORTED]
-        # A recurrent state cannot be rewound: no stored block may end with a prompt's last token.
         self.recurrent = any(l["kind"] == kinds.SNAPSHOT for l in layer_specs)
+        # A recurrent state or a pooled layer's blocks cannot be rewound: no stored block may end with
+        # a prompt's last token, and the decoder's own cache is cut into blocks prefill by prefill.
+        self.per_block = any(l["kind"] in (kinds.SNAPSHOT, kinds.POOLED) for l in layer_specs)
         self.cache_path = CachePath(self.model, self.templates, dtype, bridged)
-        params = self.cache_path.needed_params()
+        params = self.cache_path.needed_params(probe_tokens=block_tokens)
         bundle_bytes = serialize(params, self.cache_path.bundle_metadata(self.config, kv_bits or 0, kv_group_size))
         self.bundle_sha256 = hashlib.sha256(bundle_bytes).hexdigest()
         os.makedirs(bundle_dir, exist_ok=True)
@@ -141,10 +143,10 @@ class Engine:
     # ------------------------------------------------------------------ startup
 
     def _probe_cache(self, caches: list) -> list[dict]:
-        """Runs one token through `caches` (empty ones of the decoder's own) and describes, per
-        layer, what they really hold: class, parameters, tensors with their dtype and per-token
-        shape."""
-        self.model(mx.array([[0]]), cache=caches)
+        """Runs one block of tokens through `caches` (empty ones of the decoder's own) and
+        describes, per layer, what they really hold: class, parameters, tensors with their dtype
+        and per-token (or per-block) shape."""
+        self.model(mx.zeros((1, self.block_tokens), mx.int32), cache=caches)
         mx.eval([c.state for c in caches])
         layers = [kinds.describe(i, c) for i, c in enumerate(caches)]
         args = getattr(self.model, "args", None)
@@ -293,9 +295,10 @@ class Engine:
 
         start = time.perf_counter()
         cache = make_prompt_cache(self.model)
-        # A recurrent layer's state after each block: the prompt is prefilled block by block (the
-        # state comes out the same whatever the chunking), its rows as a native generation would.
-        chunks = [tokens[i * block_tokens:(i + 1) * block_tokens] for i in range(n)] if self.recurrent else [tokens]
+        # A recurrent layer's state or a pooled layer's window after each block: the prompt is
+        # prefilled block by block (the cache comes out the same whatever the chunking), its rows as
+        # a native generation would.
+        chunks = [tokens[i * block_tokens:(i + 1) * block_tokens] for i in range(n)] if self.per_block else [tokens]
         states: list[dict[int, dict[str, mx.array]]] = []
         for chunk in chunks if n else []:
             # max_tokens=0 stops right after the chunk's last token is processed.
@@ -304,8 +307,8 @@ class Engine:
                 max_tokens=0, prefill_step_size=PREFILL_STEP_SIZE, **self.kv_args,
             ):
                 pass
-            states.append({layer: kinds.codec_for(c).tensors(c) for layer, c in enumerate(cache)
-                           if kinds.codec_for(c).kind == kinds.SNAPSHOT})
+            states.append({layer: kinds.codec_for(c).block_tensors(c, block_tokens) for layer, c in enumerate(cache)
+                           if kinds.codec_for(c).kind != kinds.ROWS})
         prefill_ms = ms(start)
 
         t_write = time.perf_counter()
@@ -319,7 +322,7 @@ class Engine:
         files = []
         for i in range(n):
             lo, hi = i * block_tokens, (i + 1) * block_tokens
-            state = states[i if self.recurrent else 0]
+            state = states[i if self.per_block else 0]
             tensors = sorted(
                 [(f"{layer}.{name}", a[..., lo:hi, :]) for layer, r in rows.items() for name, a in r.items()]
                 + [(f"{layer}.{name}", a) for layer, t in state.items() for name, a in t.items()],
@@ -387,9 +390,9 @@ class Engine:
         if tail is not None:
             files.append((tail, tokens[len(paths) * B:len(tokens) - 1]))
         covered = sum(len(ids) for _, ids in files)
-        if self.recurrent and covered > len(tokens) - 1:
-            raise BadRequest(f"blocks cover {covered} of {len(tokens)} tokens: a recurrent state cannot be "
-                             "rewound, so they must end before the prompt's last token")
+        if self.per_block and covered > len(tokens) - 1:
+            raise BadRequest(f"blocks cover {covered} of {len(tokens)} tokens: a recurrent state or pooled cache "
+                             "cannot be rewound, so they must end before the prompt's last token")
         for i, (path, ids) in enumerate(files):
             arrays = self._read_block(i, path, ids, spec_fp)
             for name, a in arrays.items():
@@ -398,7 +401,7 @@ class Engine:
         # The model must process at least the last prompt token itself: that step yields the
         # first logits.
         cached = min(covered, len(tokens) - 1)
-        cache = kinds.restore(self.templates, parts, cached)
+        cache = kinds.restore(self.templates, parts, cached, self.cache_path.dtype)
         mx.eval([c.state for c in cache])
         return cache, cached
 
@@ -425,7 +428,7 @@ class Engine:
             start = index * self.block_tokens
             raise BadRequest(f"{where}: holds other tokens than the prompt's tokens {start}..{start + B}")
         def shape(layer: dict, t: dict) -> tuple:
-            if layer["kind"] == kinds.SNAPSHOT:  # a state: the same shape whatever the rows
+            if layer["kind"] != kinds.ROWS:  # a state or a block's pools: the same shape whatever the rows
                 return tuple(t["shape"])
             return tuple(B if i == t["token_axis"] else d for i, d in enumerate(t["shape"]))
 

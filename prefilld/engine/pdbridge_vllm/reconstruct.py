@@ -84,11 +84,12 @@ def blocks(path: CachePath, hidden: np.ndarray, offset: int, block_tokens: int, 
     and cut into each block's wire tensors, in order. Tokens per call decide a GPU's rate (calls of
     256 tokens run at a quarter of the rate of 8,192-token ones on MLX's CUDA backend); a token's
     rows do not depend on the tokens computed beside it (on the CPU, bit for bit), so the cut
-    blocks are what one call per block gives. Not for a recurrent path (its state is needed after
-    every block). mlx-lm's caches keep every row of one call (a fresh sliding window too); should
-    one keep fewer, the blocks are computed one by one instead."""
+    blocks are what one call per block gives. Not for a path with a state or pools (`per_block`:
+    its tensors are not rows to cut), which is computed block by block. mlx-lm's caches keep every
+    row of one call (a fresh sliding window too); should one keep fewer, the blocks are computed
+    one by one instead."""
     count = hidden.shape[0] // block_tokens
-    if count > 1:
+    if count > 1 and not path.per_block:
         rows = path.block(hidden, offset, streams)
         if all(a.shape[TOKEN_AXIS] == hidden.shape[0] for _, _, a in rows):
             cut = [slice(None)] * (TOKEN_AXIS + 1)

@@ -295,7 +295,7 @@ class Streamer:
         if stream.params.payload == LAYER_INPUTS:
             self._emit_layer_inputs(stream, path, first_index, hidden, tail)
             return
-        if tail or path.recurrent or hidden.shape[0] <= B:
+        if tail or path.per_block or hidden.shape[0] <= B:
             for k in range(1 if tail else hidden.shape[0] // B):
                 self._emit_block(stream, path, first_index + k, hidden[k * B:(k + 1) * B], tail)
             return
