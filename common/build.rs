@@ -6,7 +6,9 @@ use std::{env, path::PathBuf};
 use prost::Message;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let proto_dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../proto");
+    // Read when the script runs, not baked in when it is compiled: a target dir shared by two
+    // checkouts must not compile one checkout's proto for the other.
+    let proto_dir = PathBuf::from(env::var("CARGO_MANIFEST_DIR")?).join("../proto");
     let proto = proto_dir.join("bridge.proto");
     println!("cargo:rerun-if-changed={}", proto.display());
 
