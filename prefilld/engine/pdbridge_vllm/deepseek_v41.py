@@ -29,6 +29,7 @@ from collections.abc import Iterable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from vllm.model_executor.models.interfaces import SupportsEagle3
 
 _FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
@@ -92,7 +93,7 @@ def _fake_quant_fp8(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     """fp8 e4m3 values with a power-of-two scale per `block` (mlx-lm's `_fake_quant_fp8`)."""
     if x.shape[-1] % block:
         return x
-    blocks = x.float().reshape(*x.shape[:-1], -1, block)
+    blocks = x.float().reshape(*x.shape[:-1], x.shape[-1] // block, block)
     amax = blocks.abs().amax(-1, keepdim=True).clamp_min(1e-4)
     scale = torch.exp2(torch.ceil(torch.log2(amax / 448.0)))
     q = (blocks / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float() * scale
@@ -113,7 +114,7 @@ def _fake_quant_fp4(x: torch.Tensor, block: int, e4m3_scale: bool = False) -> to
     """fp4 e2m1 values with an e4m3 or a power-of-two scale per `block` (mlx-lm's)."""
     if x.shape[-1] % block:
         return x
-    blocks = x.float().reshape(*x.shape[:-1], -1, block)
+    blocks = x.float().reshape(*x.shape[:-1], x.shape[-1] // block, block)
     floor = 6.0 * 2.0**-9 if e4m3_scale else 6.0 * 2.0**-126
     amax = blocks.abs().amax(-1, keepdim=True).clamp_min(floor)
     if e4m3_scale:
@@ -280,8 +281,10 @@ class _Attention(nn.Module):
         if self.ratio:
             if self.is_kv_source:
                 self._compress(x, batch, shared)
-            if self.is_index_source and (index := shared.get("index_k")) is not None and index.rows.shape[0]:
-                shared["topk"] = self.indexer(x, q_residual, index, self.rope, batch)
+            if self.is_index_source:  # no index keys yet: no compressed rows either
+                index = shared.get("index_k")
+                shared["topk"] = (self.indexer(x, q_residual, index, self.rope, batch) if index is not None
+                                  and index.rows.shape[0] else torch.zeros(n, 0, dtype=torch.long))
             compressed, topk = shared.get("compress_kv"), shared.get("topk")
             if compressed is not None and topk is not None and topk.shape[-1] > 0:
                 keys.append(compressed.rows[topk.clamp_min(0)])
@@ -437,12 +440,10 @@ def model_args(config: dict):
     return ModelArgs.from_dict(config)
 
 
-class DeepseekV41ForCausalLM(nn.Module):
+class DeepseekV41ForCausalLM(nn.Module, SupportsEagle3):
     """vLLM's model interface over `_TextModel`, with mlx-lm's parameter names (the tiny
     checkpoint's prefill folder holds the decoder's tensors under them). EAGLE-3 interface: the
     drafter route asks for layers' inputs with `set_aux_hidden_state_layers`."""
-
-    supports_eagle3 = True
 
     def __init__(self, *, vllm_config, prefix: str = ""):
         super().__init__()
