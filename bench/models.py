@@ -327,7 +327,7 @@ def run_row(row: Row, args, text: str) -> dict:
             "what": "values of the bridged blocks (from the prefill engine's layer inputs) that differ from the "
                     "decoder's own export of the same prompt, per stored field: a flipped fp8/fp4 rounding step",
             **{field: {"differing": sum(f[field][0] for f in flips), "values": sum(f[field][1] for f in flips)}
-               for field in flips[0]},
+               for field, counts in flips[0].items() if isinstance(counts, tuple)},
             "blocks_bit_identical": sum(f["blocks_identical"] for f in flips),
             "blocks": sum(f["blocks"] for f in flips),
         }
