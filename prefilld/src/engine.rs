@@ -369,35 +369,30 @@ mod tests {
 
     use super::*;
 
+    /// The vLLM arguments prefilld starts an `architecture` with under the engine config `toml`.
+    fn vllm_args(toml: &str, architecture: &str) -> Result<Vec<String>, String> {
+        let file = std::env::temp_dir().join(format!("pdb-engine-{}-{architecture}.toml", std::process::id()));
+        std::fs::write(&file, toml).unwrap();
+        let sources = pdbridge_common::config::Sources { file: Some(file.clone()), ..Default::default() };
+        let config: Result<EngineConfig, _> = pdbridge_common::config::load(sources);
+        std::fs::remove_file(&file).unwrap();
+        let config = config.map_err(|e| e.to_string())?;
+        let profile = ModelProfile { architecture: architecture.into(), num_layers: 2, ..Default::default() };
+        Ok(command(&config, &profile, 8000).as_std().get_args().map(|a| a.to_string_lossy().into_owned()).collect())
+    }
+
     #[test]
     fn plugin_settings_reach_vllm_as_its_connector_extra_config() {
-        let file = std::env::temp_dir().join(format!("pdb-engine-plugin-{}.toml", std::process::id()));
-        std::fs::write(&file, "model = \"m\"\n[plugin]\nblocks_per_call = 32\ndense_weights = true\n").unwrap();
-        let sources = pdbridge_common::config::Sources { file: Some(file.clone()), ..Default::default() };
-        let config: EngineConfig = pdbridge_common::config::load(sources).unwrap();
-        std::fs::remove_file(&file).unwrap();
-        let command = command(&config, &profile("LlamaForCausalLM"), 8000);
-        let args: Vec<String> = command.as_std().get_args().map(|a| a.to_string_lossy().into_owned()).collect();
+        let toml = "model = \"m\"\n[plugin]\nblocks_per_call = 32\ndense_weights = true\n";
+        let args = vllm_args(toml, "LlamaForCausalLM").unwrap();
         let at = args.iter().position(|a| a == "--kv-transfer-config").unwrap();
         let kv_transfer: serde_json::Value = serde_json::from_str(&args[at + 1]).unwrap();
         assert_eq!(kv_transfer["kv_connector_extra_config"], json!({"blocks_per_call": 32, "dense_weights": true}));
     }
 
-    fn profile(architecture: &str) -> ModelProfile {
-        ModelProfile { architecture: architecture.into(), num_layers: 2, ..Default::default() }
-    }
-
     #[test]
     fn deepseek_v41_runs_whole_prompts_and_plain_tokenization() {
-        let file = std::env::temp_dir().join(format!("pdb-engine-v41-{}.toml", std::process::id()));
-        std::fs::write(&file, "model = \"m\"\nmax_model_len = 8192").unwrap();
-        let sources = pdbridge_common::config::Sources { file: Some(file.clone()), ..Default::default() };
-        let config: EngineConfig = pdbridge_common::config::load(sources).unwrap();
-        std::fs::remove_file(&file).unwrap();
-        let args = |architecture: &str| -> String {
-            let command = command(&config, &profile(architecture), 8000);
-            command.as_std().get_args().map(|a| a.to_string_lossy().into_owned()).collect::<Vec<_>>().join(" ")
-        };
+        let args = |architecture| vllm_args("model = \"m\"\nmax_model_len = 8192", architecture).unwrap().join(" ");
         assert!(args("DeepseekV41ForCausalLM").contains("--max-num-batched-tokens 8192 --tokenizer-mode hf"));
         assert!(!args("LlamaForCausalLM").contains("--max-num-batched-tokens"));
         // Its rope is the decoder's by construction: the profile lists none to compare.
@@ -419,19 +414,7 @@ mod tests {
 
     #[test]
     fn pipeline_stages_start_vllm_without_the_drafter() {
-        let args = |toml: &str| -> Result<Vec<String>, String> {
-            let file = std::env::temp_dir().join(format!("pdb-engine-pp-{}.toml", std::process::id()));
-            std::fs::write(&file, toml).unwrap();
-            let sources = pdbridge_common::config::Sources { file: Some(file.clone()), ..Default::default() };
-            let config: Result<EngineConfig, _> = pdbridge_common::config::load(sources);
-            std::fs::remove_file(&file).unwrap();
-            let config = config.map_err(|e| e.to_string())?;
-            Ok(command(&config, &profile("LlamaForCausalLM"), 8000)
-                .as_std()
-                .get_args()
-                .map(|a| a.to_string_lossy().into_owned())
-                .collect())
-        };
+        let args = |toml: &str| vllm_args(toml, "LlamaForCausalLM");
         let one = args("model = \"m\"").unwrap();
         assert!(one.contains(&"--speculative-config".to_owned()) && one.contains(&"--enforce-eager".to_owned()));
         let two = args("model = \"m\"\npipeline_parallel_size = 2").unwrap();

@@ -210,8 +210,10 @@ class _DeepseekV41:
         fields = {}
         for field in self.formats:
             rows = getattr(cache, field)
+            if rows is not None and field != "window":
+                rows = rows[:, rows.shape[1] * (cache.offset - block_tokens) // cache.offset:]
             if rows is not None:
-                fields[field] = rows if field == "window" else rows[:, rows.shape[1] * (cache.offset - block_tokens) // cache.offset:]
+                fields[field] = rows
         return self.pack(fields)
 
     def pack(self, fields: dict[str, mx.array]) -> dict[str, mx.array]:

