@@ -106,10 +106,10 @@ class Engine:
         self.spec = self._make_spec(model_id or self.model_dir.name, layer_specs, dtype)
         bridged = [l["index"] for l in layer_specs if l["kind"] != kinds.UNSUPPORTED]
         self.recurrent = any(l["kind"] == kinds.SNAPSHOT for l in layer_specs)
+        self.cache_path = CachePath(self.model, self.templates, dtype, bridged)
         # A recurrent state or a pooled layer's blocks cannot be rewound: no stored block may end with
         # a prompt's last token, and the decoder's own cache is cut into blocks prefill by prefill.
-        self.per_block = any(l["kind"] in (kinds.SNAPSHOT, kinds.POOLED) for l in layer_specs)
-        self.cache_path = CachePath(self.model, self.templates, dtype, bridged)
+        self.per_block = self.cache_path.per_block
         params = self.cache_path.needed_params(probe_tokens=block_tokens)
         bundle_bytes = serialize(params, self.cache_path.bundle_metadata(self.config, kv_bits or 0, kv_group_size))
         self.bundle_sha256 = hashlib.sha256(bundle_bytes).hexdigest()
