@@ -246,7 +246,7 @@ def vllm_blocks(tmp: Path, prompts: dict[str, list[int]], bundle: str, sha: str,
             rid = f"{label}-{name}"
             n = (len(tokens) - 1) // B
             params = {"pdbridge": {"request_id": rid, "socket": rx.path, "bundle_path": bundle,
-                                   "bundle_sha256": sha, "spec_fingerprint": "00" * 32,
+                                   "bundle_sha256": sha,
                                    "block_tokens": B, "first_block": 0, "num_blocks": n}}
             t0 = time.perf_counter()
             server.complete(tokens, params)

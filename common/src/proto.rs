@@ -15,17 +15,4 @@ impl Dtype {
             Dtype::U8 => Some(1),
         }
     }
-
-    /// The dtype's name in safetensors headers.
-    pub fn safetensors_name(self) -> Option<&'static str> {
-        match self {
-            Dtype::Unspecified => None,
-            Dtype::F32 => Some("F32"),
-            Dtype::F16 => Some("F16"),
-            Dtype::Bf16 => Some("BF16"),
-            Dtype::U32 => Some("U32"),
-            Dtype::I32 => Some("I32"),
-            Dtype::U8 => Some("U8"),
-        }
-    }
 }

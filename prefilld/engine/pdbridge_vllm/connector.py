@@ -384,7 +384,8 @@ class PdBridgeConnector(KVConnectorBase_V1, SupportsHMA):
             sock = new.raw_params.get("socket") if isinstance(new.raw_params, dict) else None
             if isinstance(sock, str):  # report it if there is anywhere to report it
                 rid = str(new.raw_params.get("request_id", new.req_id))
-                bad = BridgeParams(rid, sock, "", "", "", 1, 0, 0)
+                bad = BridgeParams(rid, sock, bundle_path="", bundle_sha256="", block_tokens=1,
+                                   first_block=0, num_blocks=0)
                 self._streamer.submit_error(RequestStream(bad), protocol.BAD_PARAMS, str(e))
             return
         st = _WorkerState(RequestStream(params), prompt_len=new.prompt_len,

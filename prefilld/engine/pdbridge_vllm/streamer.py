@@ -33,13 +33,14 @@ CACHE, LAYER_INPUTS = "cache", "layer_inputs"
 
 @dataclass
 class BridgeParams:
-    """The request's ``kv_transfer_params["pdbridge"]``, validated."""
+    """The request's ``kv_transfer_params["pdbridge"]``, validated. Keys it does not name are
+    ignored. What binds the plugin's arithmetic to the decoder is the bundle, held to
+    ``bundle_sha256`` (the spec fingerprint is prefilld's to check, at the handshake)."""
 
     request_id: str
     socket: str
     bundle_path: str
     bundle_sha256: str
-    spec_fingerprint: str
     block_tokens: int
     first_block: int
     num_blocks: int
@@ -64,7 +65,6 @@ class BridgeParams:
                 socket=str(raw["socket"]),
                 bundle_path=str(raw["bundle_path"]),
                 bundle_sha256=str(raw.get("bundle_sha256") or ""),
-                spec_fingerprint=str(raw.get("spec_fingerprint") or ""),
                 block_tokens=int(raw["block_tokens"]),
                 first_block=int(raw["first_block"]),
                 num_blocks=int(raw["num_blocks"]),

@@ -54,7 +54,7 @@ def main():
                         seq += 1
                         rid = f"bench-{seq}"
                         p = {"request_id": rid, "socket": rx.path, "bundle_path": bundle,
-                             "bundle_sha256": sha, "spec_fingerprint": "", "block_tokens": B,
+                             "bundle_sha256": sha, "block_tokens": B,
                              "first_block": 0, "num_blocks": (n - 1) // B}
                         t0 = time.perf_counter()
                         srv.complete(toks, {"pdbridge": p})

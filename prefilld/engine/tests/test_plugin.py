@@ -182,7 +182,7 @@ class BridgeCase(unittest.TestCase):
 
     def params(self, request_id: str, first_block: int = 0, num_blocks: int = T // B, **over):
         p = {"request_id": request_id, "socket": self.rx.path, "bundle_path": FX.bundle,
-             "bundle_sha256": FX.sha, "spec_fingerprint": "00" * 32, "block_tokens": B,
+             "bundle_sha256": FX.sha, "block_tokens": B,
              "first_block": first_block, "num_blocks": num_blocks}
         p.update(over)
         return {"pdbridge": p}
