@@ -11,7 +11,7 @@ use axum::{
 use pdbridge_common::reason::Reason;
 use serde_json::json;
 
-use super::verdict::VERDICT_HEADER;
+use super::verdict;
 use crate::{engine::EngineError, openai};
 
 #[derive(Debug, thiserror::Error)]
@@ -85,8 +85,7 @@ impl IntoResponse for FrontError {
             response.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
         }
         if let FrontError::BridgeRequired { reason, .. } = &self {
-            let verdict = json!({"outcome": "failed", "reason": reason}).to_string();
-            response.headers_mut().insert(VERDICT_HEADER, HeaderValue::from_str(&verdict).expect("ascii json"));
+            verdict::set(&mut response, &json!({"outcome": "failed", "reason": reason}));
         }
         response
     }

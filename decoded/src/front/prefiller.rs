@@ -152,7 +152,6 @@ impl Prefiller {
             let what = if self.upstreams.is_empty() { "no prefilld configured" } else { "no prefilld is serving" };
             BridgeFailure::new(Reason::PrefillUnavailable, what)
         })?;
-        let channel = in_flight.0.channel.clone();
         let name = in_flight.0.name.clone();
         let deadline = self.deadline_base + self.deadline_per_1k_tokens.mul_f64(tokens.len() as f64 / 1000.0);
         let request = PrefillRequest {
@@ -164,40 +163,44 @@ impl Prefiller {
             payload: self.payload as i32,
         };
         let mut bytes_sent = 0;
-        let run = async {
-            let mut events = PrefillerClient::new(channel)
-                .max_decoding_message_size(64 << 20)
-                .max_encoding_message_size(64 << 20)
-                .prefill(request)
-                .await
-                .map_err(|s| BridgeFailure::new(Reason::PrefillUnavailable, s.message()))?
-                .into_inner();
-            while let Some(event) =
-                events.message().await.map_err(|s| BridgeFailure::new(Reason::TransferFailed, s.message()))?
-            {
-                match event.event {
-                    Some(PrefillEventKind::Progress(progress)) => bytes_sent = progress.bytes_sent,
-                    Some(PrefillEventKind::Outcome(outcome)) => {
-                        return match outcome.status() {
-                            OutcomeStatus::Bridged | OutcomeStatus::Partial => Ok(outcome),
-                            _ => {
-                                let reason = Reason::from_proto(outcome.reason()).unwrap_or(Reason::TransferFailed);
-                                Err(BridgeFailure::new(reason, &outcome.detail).sent(outcome.bytes))
-                            }
-                        };
-                    }
-                    None => {}
-                }
-            }
-            Err(BridgeFailure::new(Reason::TransferFailed, "prefill stream ended without an outcome"))
-        };
+        let run = follow(in_flight.0.channel.clone(), request, &mut bytes_sent);
         let result = match tokio::time::timeout(deadline, run).await {
             Ok(result) => result,
             Err(_) => Err(BridgeFailure::new(Reason::Timeout, &format!("no outcome within {deadline:?}"))),
         };
         result.map(|outcome| (name.clone(), outcome)).map_err(|failure| {
+            // Cut short: the last progress report says how many bytes were sent.
             let failure = if failure.bytes_sent == 0 { failure.sent(bytes_sent) } else { failure };
             BridgeFailure { prefiller: Some(name), ..failure }
         })
     }
+}
+
+/// A `Prefill` call followed to its outcome, keeping `bytes_sent` as progress reports it.
+async fn follow(channel: Channel, request: PrefillRequest, bytes_sent: &mut u64) -> Result<Outcome, BridgeFailure> {
+    let mut events = PrefillerClient::new(channel)
+        .max_decoding_message_size(64 << 20)
+        .max_encoding_message_size(64 << 20)
+        .prefill(request)
+        .await
+        .map_err(|s| BridgeFailure::new(Reason::PrefillUnavailable, s.message()))?
+        .into_inner();
+    while let Some(event) =
+        events.message().await.map_err(|s| BridgeFailure::new(Reason::TransferFailed, s.message()))?
+    {
+        match event.event {
+            Some(PrefillEventKind::Progress(progress)) => *bytes_sent = progress.bytes_sent,
+            Some(PrefillEventKind::Outcome(outcome)) => {
+                return match outcome.status() {
+                    OutcomeStatus::Bridged | OutcomeStatus::Partial => Ok(outcome),
+                    _ => {
+                        let reason = Reason::from_proto(outcome.reason()).unwrap_or(Reason::TransferFailed);
+                        Err(BridgeFailure::new(reason, &outcome.detail).sent(outcome.bytes))
+                    }
+                };
+            }
+            None => {}
+        }
+    }
+    Err(BridgeFailure::new(Reason::TransferFailed, "prefill stream ended without an outcome"))
 }

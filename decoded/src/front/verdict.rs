@@ -130,9 +130,46 @@ pub fn header_safe(text: &str) -> String {
     out
 }
 
-pub fn set(response: &mut Response, verdict: &Verdict) {
-    let json = serde_json::to_string(verdict).expect("verdict serializes");
-    response.headers_mut().insert(VERDICT_HEADER, HeaderValue::from_str(&json).expect("ascii json"));
+/// Puts `verdict` in the response's `X-PD-Bridge` header.
+pub fn set(response: &mut Response, verdict: &impl Serialize) {
+    match header_json(verdict) {
+        Some(value) => {
+            response.headers_mut().insert(VERDICT_HEADER, value);
+        }
+        // Unreachable (escaped JSON is visible ASCII), but an answer never fails over its header.
+        None => tracing::error!("a verdict could not be written as a header"),
+    }
+}
+
+/// `value` as JSON fit for a header, whatever its strings hold: a peer's `detail`, a prefilld's
+/// name or stage, a configured name may carry any character, and a header only visible ASCII.
+pub fn header_json(value: &impl Serialize) -> Option<HeaderValue> {
+    let mut json = Vec::new();
+    value.serialize(&mut serde_json::Serializer::with_formatter(&mut json, VisibleAscii)).ok()?;
+    HeaderValue::from_bytes(&json).ok()
+}
+
+/// serde_json's compact output with every character outside visible ASCII and space escaped
+/// (`\u2192`; beyond the BMP as a surrogate pair): the same JSON value, readable by any parser.
+struct VisibleAscii;
+
+impl serde_json::ser::Formatter for VisibleAscii {
+    fn write_string_fragment<W: ?Sized + std::io::Write>(
+        &mut self,
+        out: &mut W,
+        fragment: &str,
+    ) -> std::io::Result<()> {
+        for c in fragment.chars() {
+            if c == ' ' || c.is_ascii_graphic() {
+                out.write_all(&[c as u8])?;
+            } else {
+                for unit in c.encode_utf16(&mut [0; 2]) {
+                    write!(out, "\\u{unit:04x}")?;
+                }
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Metric names the front door records (registered at start by `decoded::serve`).
@@ -189,6 +226,31 @@ mod tests {
         let json = serde_json::to_string(&plan.verdict).unwrap();
         assert!(HeaderValue::from_str(&json).is_ok());
         assert!(json.contains(r#""outcome":"native","reason":"unsupported_model""#), "{json}");
+    }
+
+    #[test]
+    fn any_text_from_a_peer_makes_a_valid_header() {
+        let mut plan = Plan::new(Outcome::Partial, Some(Reason::TransferFailed), 100, 2, 16);
+        // Not through header_safe: the header must hold whatever reaches the verdict.
+        let detail = "é → \u{1F600}\n\t\r\u{7f}\u{0}\"quoted\" \\ end";
+        plan.verdict.detail = Some(detail.to_owned());
+        plan.verdict.prefillers = vec!["préfill-ü".into(), "b\u{85}".into()];
+        plan.verdict.timings_ms.insert("prefill_ステージ".into(), 1.5);
+        let value = header_json(&plan.verdict).expect("a header value");
+        assert!(value.as_bytes().iter().all(|&b| b == b' ' || b.is_ascii_graphic()), "{value:?}");
+        let back: serde_json::Value = serde_json::from_slice(value.as_bytes()).unwrap();
+        assert_eq!(back["detail"], detail);
+        assert_eq!(back["prefillers"], serde_json::json!(["préfill-ü", "b\u{85}"]));
+        assert_eq!(back["timings_ms"]["prefill_ステージ"], 1.5);
+        let mut response = Response::new(axum::body::Body::empty());
+        set(&mut response, &plan.verdict);
+        assert_eq!(response.headers()[VERDICT_HEADER], value);
+        // What was ASCII already is written as serde_json writes it.
+        plan.verdict.detail = Some("plain: ascii".into());
+        plan.verdict.prefillers.clear();
+        plan.verdict.timings_ms.clear();
+        let plain = serde_json::to_string(&plan.verdict).unwrap();
+        assert_eq!(header_json(&plan.verdict).unwrap().to_str().unwrap(), plain);
     }
 
     #[test]

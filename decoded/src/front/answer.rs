@@ -1,0 +1,355 @@
+//! A request's answers once its first generation has started: one event loop
+//! ([`Answers::run`]) feeding one of two sinks, server-sent events ([`Streamed`]) or one JSON
+//! completion ([`Collected`]), so both check what the engine restored and count the request's
+//! metrics in the same place.
+
+use std::{convert::Infallible, path::PathBuf};
+
+use axum::{
+    Json,
+    response::{IntoResponse, Response, Sse, sse::Event},
+};
+use serde_json::{Value, json};
+use tokio::{sync::mpsc, time::Instant};
+
+use super::{
+    Admitted,
+    error::FrontError,
+    ms,
+    plan::Prompt,
+    verdict::{self, Verdict, record_outcome, record_stages, record_ttft},
+};
+use crate::{
+    engine::{Engine, EngineError, GenerateEvent, GenerateRequest, GenerateSummary, Generation, ToolCall},
+    openai::{self, Kind},
+    store::{Lease, Tail},
+};
+
+/// What each answer of a request generates from, owned, so a streamed answer's task can start
+/// one after another (`n` > 1).
+pub struct Choices {
+    pub engine: Engine,
+    pub prompt: Prompt,
+    /// The leased store blocks the engine restores.
+    pub blocks: Vec<PathBuf>,
+    /// Held (its file kept) until the last answer has started.
+    pub tail: Option<Tail>,
+    pub max_tokens: u32,
+    pub sampling: openai::Sampling,
+    pub tools: Option<Value>,
+}
+
+impl Choices {
+    /// The adapter's request for answer `index`; sampled answers differ by seed (`seed + index`).
+    fn request(&self, index: u32) -> GenerateRequest<'_> {
+        let sampling = &self.sampling;
+        GenerateRequest {
+            tokens: &self.prompt.tokens,
+            blocks: &self.blocks,
+            tail: self.tail.as_ref().map(Tail::path),
+            spec_fingerprint: &self.prompt.spec_fingerprint,
+            max_tokens: self.max_tokens,
+            temperature: sampling.temperature,
+            top_p: sampling.top_p,
+            seed: sampling.seed.map(|seed| seed + u64::from(index)),
+            stop: &sampling.stop,
+            presence_penalty: sampling.presence_penalty,
+            frequency_penalty: sampling.frequency_penalty,
+            logprobs: sampling.logprobs,
+            tools: self.tools.as_ref(),
+        }
+    }
+
+    /// Answer `index`, once the adapter has restored its cache and prefilled the rest of the
+    /// prompt (an unusable block fails here, while the request can still be served another way).
+    pub async fn start(&self, index: u32) -> Result<Generation, EngineError> {
+        let mut generation = self.engine.generate(&self.request(index)).await?;
+        generation.started().await?;
+        Ok(generation)
+    }
+}
+
+/// What names a completion.
+pub struct Names {
+    id: String,
+    created: u64,
+    model: String,
+}
+
+impl Names {
+    pub fn new(model: String) -> Names {
+        let created = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_secs();
+        Names { id: pdbridge_common::request_id::new("chatcmpl"), created, model }
+    }
+
+    fn ids(&self) -> (&str, u64, &str) {
+        (&self.id, self.created, &self.model)
+    }
+}
+
+/// A request's answers, the first already started.
+pub struct Answers {
+    pub kind: Kind,
+    /// When the request came in.
+    pub started: Instant,
+    pub verdict: Verdict,
+    pub choices: Choices,
+    /// Held until the last answer ends: the adapter reads the block files on its own schedule.
+    pub lease: Lease,
+    /// The first answer, started while the request was planned.
+    pub first: Option<Generation>,
+}
+
+/// Why a request's answers ended before the last one did.
+#[derive(Debug, thiserror::Error)]
+enum Cut {
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+    #[error(transparent)]
+    Front(#[from] FrontError),
+    /// A streamed answer's client went away: nobody is left to tell.
+    #[error("the client left")]
+    Left,
+}
+
+impl From<Cut> for FrontError {
+    fn from(cut: Cut) -> FrontError {
+        match cut {
+            Cut::Engine(e) => e.into(),
+            Cut::Front(e) => e,
+            Cut::Left => FrontError::Engine(cut.to_string()),
+        }
+    }
+}
+
+/// A piece of an answer: a token's text (empty when it completed tool calls instead), its log
+/// probability when asked for, and the calls it completed.
+struct Piece {
+    text: String,
+    logprob: Option<Value>,
+    tool_calls: Vec<ToolCall>,
+}
+
+/// Where the event loop puts the answers.
+trait Sink {
+    /// A piece of answer `index`, as it comes.
+    async fn token(&mut self, index: u32, piece: Piece) -> Result<(), Cut>;
+    /// Answer `index` is whole; `last`: it is the request's last.
+    async fn done(&mut self, index: u32, summary: GenerateSummary, last: bool) -> Result<(), Cut>;
+}
+
+impl Answers {
+    /// Headers now, with the verdict as planned; the events follow from a task that holds the
+    /// lease and the admission until the last one, within the request's deadline.
+    pub fn stream(mut self, names: Names, admitted: Admitted) -> Response {
+        let (tx, rx) = mpsc::channel::<Event>(16);
+        let events = tokio_stream::StreamExt::map(tokio_stream::wrappers::ReceiverStream::new(rx), Ok::<_, Infallible>);
+        let mut response = Sse::new(events).into_response();
+        verdict::set(&mut response, &self.verdict);
+        tokio::spawn(async move {
+            let Admitted { permit: _permit, deadline } = admitted;
+            let mut sink = Streamed { tx, kind: self.kind, names, calls_sent: 0, completion_tokens: 0 };
+            let answered = tokio::time::timeout_at(deadline, self.run(&mut sink)).await.unwrap_or_else(|_| {
+                // Worded as the deadline's error event always was.
+                Err(EngineError::Internal("front.request_timeout passed".into()).into())
+            });
+            sink.end(answered).await;
+        });
+        response
+    }
+
+    /// One completion with every answer; the verdict, final, in its header.
+    pub async fn collect(mut self, names: &Names) -> Result<Response, FrontError> {
+        let mut sink = Collected::new(self.kind, self.choices.sampling.logprobs.is_some());
+        self.run(&mut sink).await?;
+        drop(self.lease);
+        self.verdict.timings_ms.insert("total".into(), ms(self.started));
+        sink.respond(names, self.verdict)
+    }
+
+    /// The event loop: every answer in turn, each event into `sink`. What the engine restored is
+    /// checked and the request counted here, the same for both sinks.
+    async fn run(&mut self, sink: &mut impl Sink) -> Result<(), Cut> {
+        let n = self.choices.sampling.n;
+        let mut first_summary = None;
+        for index in 0..n {
+            let mut generation = match self.first.take() {
+                Some(started) => started,
+                None => self.choices.start(index).await?,
+            };
+            let summary = self.events(index, &mut generation, sink).await?;
+            check_restored(&self.verdict, &summary)?;
+            let first_summary = first_summary.get_or_insert_with(|| summary.clone());
+            let last = index + 1 == n;
+            if last {
+                // Before the last event leaves: a client gone by then was answered all the same.
+                record_outcome(&self.verdict);
+                record_stages(&self.verdict, first_summary);
+            }
+            sink.done(index, summary, last).await?;
+        }
+        Ok(())
+    }
+
+    /// Answer `index`'s tokens into `sink`, up to its summary.
+    async fn events(
+        &mut self,
+        index: u32,
+        generation: &mut Generation,
+        sink: &mut impl Sink,
+    ) -> Result<GenerateSummary, Cut> {
+        loop {
+            match generation.next().await {
+                Some(Ok(GenerateEvent::Token { text, logprob, tool_calls, .. })) => {
+                    if !self.verdict.timings_ms.contains_key("first_token") {
+                        record_ttft(&self.verdict, self.started);
+                        self.verdict.timings_ms.insert("first_token".into(), ms(self.started));
+                    }
+                    sink.token(index, Piece { text, logprob, tool_calls }).await?;
+                }
+                Some(Ok(GenerateEvent::Done(summary))) => return Ok(summary),
+                Some(Err(e)) => return Err(e.into()),
+                None => return Err(FrontError::Engine("generation ended without a summary".into()).into()),
+            }
+        }
+    }
+}
+
+/// The engine must have restored exactly the tokens the verdict claims.
+fn check_restored(verdict: &Verdict, summary: &GenerateSummary) -> Result<(), FrontError> {
+    if summary.cached_tokens != verdict.cached_tokens {
+        return Err(FrontError::Engine(format!(
+            "engine restored {} tokens, the verdict says {}",
+            summary.cached_tokens, verdict.cached_tokens
+        )));
+    }
+    Ok(())
+}
+
+/// Server-sent events: a chunk per token as it comes (the headers left before the first).
+struct Streamed {
+    tx: mpsc::Sender<Event>,
+    kind: Kind,
+    names: Names,
+    /// The current answer's tool calls so far: a delta's calls are numbered within its choice.
+    calls_sent: usize,
+    /// Over every answer, for the last chunk's usage.
+    completion_tokens: u32,
+}
+
+impl Streamed {
+    async fn send(&self, data: &Value) -> Result<(), Cut> {
+        self.tx.send(Event::default().data(data.to_string())).await.map_err(|_| Cut::Left)
+    }
+
+    /// `[DONE]` after the last answer; after a failure its error, and no `[DONE]`.
+    async fn end(self, answered: Result<(), Cut>) {
+        let last = match answered {
+            Ok(()) => Event::default().data("[DONE]"),
+            Err(Cut::Left) => return,
+            Err(e) => Event::default().data(stream_error(e).to_string()),
+        };
+        let _ = self.tx.send(last).await;
+    }
+}
+
+impl Sink for Streamed {
+    async fn token(&mut self, index: u32, Piece { text, logprob, tool_calls }: Piece) -> Result<(), Cut> {
+        let text = Some(text.as_str()).filter(|t| !t.is_empty() || tool_calls.is_empty());
+        let mut chunk = openai::chunk(self.kind, self.names.ids(), index, text, None);
+        if !tool_calls.is_empty() {
+            openai::add_tool_calls(&mut chunk, &tool_calls, self.calls_sent);
+            self.calls_sent += tool_calls.len();
+        }
+        if let Some(entry) = logprob {
+            chunk["choices"][0]["logprobs"] = openai::logprobs(self.kind, &[entry]);
+        }
+        self.send(&chunk).await
+    }
+
+    async fn done(&mut self, index: u32, summary: GenerateSummary, last: bool) -> Result<(), Cut> {
+        self.completion_tokens += summary.completion_tokens;
+        // Text the adapter held back to the end (a partial character, a possible stop sequence
+        // that never completed) ends the answer.
+        let held = Some(summary.text.as_str()).filter(|t| !t.is_empty());
+        let mut chunk = openai::chunk(self.kind, self.names.ids(), index, held, Some(&summary.finish_reason));
+        if !summary.tool_calls.is_empty() {
+            openai::add_tool_calls(&mut chunk, &summary.tool_calls, self.calls_sent);
+        }
+        self.calls_sent = 0;
+        if last {
+            chunk["usage"] = openai::usage(summary.prompt_tokens, self.completion_tokens, summary.cached_tokens);
+            // The header left before the engine ran: its stages ride here.
+            chunk["pd_bridge"] = json!({"engine_timings_ms": summary.timings_ms});
+        }
+        self.send(&chunk).await
+    }
+}
+
+/// An error event ending a streamed answer (its headers have already left).
+fn stream_error(e: impl std::fmt::Display) -> Value {
+    json!({"error": {"message": e.to_string(), "type": "engine_error"}})
+}
+
+/// One JSON completion: the answers collected, then sent whole.
+struct Collected {
+    kind: Kind,
+    logprobs: bool,
+    /// The current answer so far.
+    text: String,
+    entries: Vec<Value>,
+    calls: Vec<ToolCall>,
+    choices: Vec<Value>,
+    /// The first answer's, for the usage and the engine's stages.
+    first: Option<GenerateSummary>,
+    completion_tokens: u32,
+}
+
+impl Collected {
+    fn new(kind: Kind, logprobs: bool) -> Collected {
+        Collected {
+            kind,
+            logprobs,
+            text: String::new(),
+            entries: Vec::new(),
+            calls: Vec::new(),
+            choices: Vec::new(),
+            first: None,
+            completion_tokens: 0,
+        }
+    }
+
+    fn respond(self, names: &Names, mut verdict: Verdict) -> Result<Response, FrontError> {
+        let first = self.first.ok_or_else(|| FrontError::Engine("no answer was generated".into()))?;
+        for (stage, value) in &first.timings_ms {
+            verdict.timings_ms.insert(format!("engine_{stage}"), *value);
+        }
+        let mut body = openai::completion(self.kind, &names.id, names.created, &names.model, self.choices);
+        body["usage"] = openai::usage(first.prompt_tokens, self.completion_tokens, first.cached_tokens);
+        let mut response = Json(body).into_response();
+        verdict::set(&mut response, &verdict);
+        Ok(response)
+    }
+}
+
+impl Sink for Collected {
+    async fn token(&mut self, _index: u32, piece: Piece) -> Result<(), Cut> {
+        self.text.push_str(&piece.text);
+        self.entries.extend(piece.logprob);
+        self.calls.extend(piece.tool_calls);
+        Ok(())
+    }
+
+    async fn done(&mut self, index: u32, summary: GenerateSummary, _last: bool) -> Result<(), Cut> {
+        let mut text = std::mem::take(&mut self.text);
+        text.push_str(&summary.text);
+        let mut calls = std::mem::take(&mut self.calls);
+        calls.extend(summary.tool_calls.iter().cloned());
+        let entries = std::mem::take(&mut self.entries);
+        let logprobs = self.logprobs.then(|| openai::logprobs(self.kind, &entries));
+        self.choices.push(openai::choice(self.kind, index, &text, &summary.finish_reason, logprobs, &calls));
+        self.completion_tokens += summary.completion_tokens;
+        self.first.get_or_insert(summary);
+        Ok(())
+    }
+}
