@@ -3,6 +3,13 @@
 //! label (the `X-PD-Bridge` verdict's `reason` and the metrics' `reason`
 //! label), and the HTTP status the front door answers with when a client
 //! required the bridge (`X-PD-Bridge-Mode: bridge`) and this reason stopped it.
+//!
+//! A gRPC status names its reason in its details (`grpc-status-details-bin`):
+//! an encoded `StatusDetails` (the proto documents it); the code alone cannot
+//! say which of several refusals a status is.
+
+use bytes::Bytes;
+use prost::Message;
 
 use crate::proto;
 
@@ -83,6 +90,27 @@ impl Reason {
         Reason::ALL.into_iter().find(|r| r.to_proto() == reason)
     }
 
+    /// A gRPC status whose details carry this reason.
+    pub fn status(self, code: tonic::Code, message: impl Into<String>) -> tonic::Status {
+        tonic::Status::with_details(code, message, self.to_details())
+    }
+
+    /// The reason a gRPC status carries in its details; None without one (a
+    /// peer that predates them, or a failure of the call alone).
+    pub fn of_status(status: &tonic::Status) -> Option<Reason> {
+        Reason::from_details(status.details())
+    }
+
+    fn to_details(self) -> Bytes {
+        proto::StatusDetails { reason: self.to_proto() as i32 }.encode_to_vec().into()
+    }
+
+    /// None for empty or foreign details and for values this build does not know.
+    fn from_details(details: &[u8]) -> Option<Reason> {
+        let details = proto::StatusDetails::decode(details).ok()?;
+        Reason::from_proto(proto::Reason::try_from(details.reason).ok()?)
+    }
+
     /// The front door's status when the client required the bridge and this
     /// reason stopped it: the client's own mistake is a 400, a deadline a
     /// 504, anything upstream a 502.
@@ -127,5 +155,31 @@ mod tests {
         // Every proto value but UNSPECIFIED has its Reason.
         let values = (0..64).filter_map(|n| proto::Reason::try_from(n).ok()).count();
         assert_eq!(values, Reason::ALL.len() + 1);
+    }
+
+    #[test]
+    fn a_status_carries_its_reason_across_the_wire() {
+        for reason in Reason::ALL {
+            let sent = reason.status(tonic::Code::FailedPrecondition, "refused");
+            // Through the trailers a peer reads, not just the struct.
+            let mut trailers = tonic::metadata::MetadataMap::new().into_headers();
+            sent.add_header(&mut trailers).unwrap();
+            let received = tonic::Status::from_header_map(&trailers).unwrap();
+            assert_eq!((received.code(), received.message()), (tonic::Code::FailedPrecondition, "refused"));
+            assert_eq!(Reason::of_status(&received), Some(reason));
+        }
+        assert_eq!(Reason::SpecMismatch.to_details().as_ref(), [0x08, 6], "the encoding is the contract");
+    }
+
+    #[test]
+    fn a_status_without_a_known_reason_carries_none() {
+        assert_eq!(Reason::of_status(&tonic::Status::failed_precondition("old decoder")), None);
+        // Details of another shape (a google.rpc.Status: field 2 a string), an unspecified or an
+        // unknown value.
+        let foreign = tonic::Status::with_details(tonic::Code::Internal, "x", Bytes::from_static(&[0x12, 1, b'x']));
+        assert_eq!(Reason::of_status(&foreign), None);
+        assert_eq!(Reason::from_details(&[0x08, 0]), None);
+        assert_eq!(Reason::from_details(&[0x08, 63]), None);
+        assert_eq!(Reason::from_details(&[0xff]), None);
     }
 }

@@ -90,8 +90,10 @@ pub enum ServiceError {
     Auth(#[from] AuthError),
 }
 
-/// The one mapping from domain errors to gRPC status codes.
+/// The one mapping from domain errors to gRPC statuses: the code, and the
+/// `Reason` in the details where the error names one.
 pub fn status_of(err: &ServiceError) -> Status {
+    use pdbridge_common::reason::Reason;
     let code = match err {
         ServiceError::Engine(EngineError::NotReady) => Code::Unavailable,
         ServiceError::Engine(EngineError::BadRequest(_)) => Code::InvalidArgument,
@@ -124,7 +126,23 @@ pub fn status_of(err: &ServiceError) -> Status {
     };
     metrics::counter!("pdbridge_grpc_errors_total", "service" => "CacheStore", "code" => format!("{code:?}"))
         .increment(1);
-    Status::new(code, err.to_string())
+    // An error that says why no bridge can go on with this decoder names its reason in the
+    // status (every FAILED_PRECONDITION does), so prefilld need not guess it from the code; a
+    // failure of the call alone carries none, and the caller names it for what it was doing.
+    let reason = match err {
+        ServiceError::Ingest(IngestError::SpecMismatch { .. }) => Some(Reason::SpecMismatch),
+        ServiceError::Ingest(IngestError::PayloadUnsupported(_) | IngestError::TailUnsupported(_)) => {
+            Some(Reason::UnsupportedModel)
+        }
+        ServiceError::Ingest(IngestError::NoEngine(e)) if !matches!(e, EngineError::NotReady) => {
+            Some(Reason::UnsupportedModel)
+        }
+        _ => None,
+    };
+    match reason {
+        Some(reason) => reason.status(code, err.to_string()),
+        None => Status::new(code, err.to_string()),
+    }
 }
 
 type BundleStream = Pin<Box<dyn Stream<Item = Result<BundleChunk, Status>> + Send>>;

@@ -222,7 +222,10 @@ pub struct StreamConfig {
     pub max_shard_bytes: usize,
     /// Frames buffered between the plugin and the Push stream.
     pub queue_frames: usize,
-    /// Longest a prefill may take, per 1,000 prompt tokens (plus a minute).
+    /// Longest a prefill may take: this, what any prompt costs whatever its
+    /// length, plus `deadline_per_1k_tokens` per started 1,000 prompt tokens.
+    #[serde(with = "humantime_serde")]
+    pub deadline_base: Duration,
     #[serde(with = "humantime_serde")]
     pub deadline_per_1k_tokens: Duration,
     /// Emulated link rate for shards sent to decoders, in Gbit/s (e.g. 10 for
@@ -238,6 +241,7 @@ impl Default for StreamConfig {
         StreamConfig {
             max_shard_bytes: 4 << 20,
             queue_frames: 64,
+            deadline_base: Duration::from_secs(60),
             deadline_per_1k_tokens: Duration::from_secs(60),
             link_gbps: 0.0,
             connections: 2,
@@ -259,6 +263,52 @@ impl Validate for StreamConfig {
         if self.queue_frames == 0 {
             return Err(ConfigError::invalid("stream.queue_frames", "must be at least 1"));
         }
+        if self.deadline_base.is_zero() {
+            return Err(ConfigError::invalid("stream.deadline_base", "must be greater than zero"));
+        }
         Ok(())
+    }
+}
+
+impl StreamConfig {
+    /// Longest a prefill of `prompt_tokens` may take (each started 1,000
+    /// tokens adds its share).
+    pub fn prefill_deadline(&self, prompt_tokens: usize) -> Duration {
+        let thousands = u32::try_from(prompt_tokens.div_ceil(1000)).unwrap_or(u32::MAX);
+        self.deadline_base.saturating_add(self.deadline_per_1k_tokens.saturating_mul(thousands))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use pdbridge_common::config::{Sources, load};
+
+    use super::*;
+
+    fn parse(toml: &str) -> Result<Config, ConfigError> {
+        static N: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let path = std::env::temp_dir().join(format!("pdb-prefilld-config-{}-{n}.toml", std::process::id()));
+        std::fs::write(&path, toml).unwrap();
+        let loaded = load::<Config>(Sources { file: Some(path.clone()), ..Default::default() });
+        let _ = std::fs::remove_file(&path);
+        loaded
+    }
+
+    const SERVER: &str = "[server]\ngrpc_listen = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n";
+
+    #[test]
+    fn the_prefill_deadline_is_a_base_plus_a_share_per_started_1000_tokens() {
+        let default = parse(SERVER).unwrap().stream;
+        assert_eq!(default.deadline_base, Duration::from_secs(60));
+        assert_eq!(default.prefill_deadline(0), Duration::from_secs(60));
+        assert_eq!(default.prefill_deadline(1), Duration::from_secs(120));
+        assert_eq!(default.prefill_deadline(2001), Duration::from_secs(240));
+        let set = parse(&format!("{SERVER}[stream]\ndeadline_base = \"90s\"\ndeadline_per_1k_tokens = \"1s\"\n"));
+        assert_eq!(set.unwrap().stream.prefill_deadline(1000), Duration::from_secs(91));
+        for bad in ["\"0s\"", "\"soon\"", "60"] {
+            let err = parse(&format!("{SERVER}[stream]\ndeadline_base = {bad}\n")).unwrap_err();
+            assert!(err.to_string().contains("stream.deadline_base"), "{bad}: {err}");
+        }
     }
 }

@@ -180,7 +180,7 @@ impl Decoders {
         }
     }
 
-    /// Forgets a decoder whose spec changed (it answered FAILED_PRECONDITION).
+    /// Forgets a decoder whose spec changed (a Push or Lookup refused with `spec_mismatch`).
     pub fn forget(&self, addr: &str) {
         self.met.lock().unwrap().remove(addr);
     }
