@@ -1,8 +1,20 @@
 #!/usr/bin/env bash
-# The test suite: installs what it needs (idempotent, cached under the repo),
-# builds the daemons, and runs every test against the real binaries.
+# The test suite in two tiers; installs what they need (idempotent, cached under the repo) and
+# builds the daemons first.
+#   scripts/test.sh [all]    both tiers (the README's test command, what CI runs)
+#   scripts/test.sh fast     unit tests, the daemons on a fixed spec (no engine), the cache codec's
+#                            conformance and the contracts' golden files: a few minutes
+#   scripts/test.sh engines  end to end on the real engines (vLLM and mlx-lm) and the engine
+#                            adapters' own suites
+# Arguments after the tier go to cargo nextest (e.g. a test name filter).
+# Each tier prints its time; `all` prints both at the end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+tier=all
+case "${1:-}" in
+  all|fast|engines) tier=$1; shift ;;
+esac
 
 scripts/setup-engines.sh
 # deploy/check.sh verifies the service units with systemd-analyze.
@@ -15,14 +27,39 @@ if ! command -v systemd-analyze >/dev/null; then
   fi
 fi
 .venv/bin/python scripts/prepare-model.py
-# The generated model families the end-to-end tests bridge (seconds each, idempotent).
+# The generated model families the tests bridge (seconds each, idempotent).
 for family in llama3 qwen3 gemma3 deepseek_v3 gpt_oss qwen3_next deepseek_v41; do
   .venv/bin/python scripts/make-tiny-model.py --family "$family"
 done
 cargo build --workspace --bins --locked
-cargo nextest run --workspace --locked --no-fail-fast "$@"
-# The engine adapters' own tests, on the real engines (unittest: the engines'
-# environment has no pytest).
-.venv/bin/python -m unittest discover -s common/engine/tests
-.venv/bin/python -m unittest discover -s decoded/engine/tests
-.venv/bin/python -m unittest discover -s prefilld/engine/tests
+
+# unittest: the engines' environment has no pytest.
+py_suite() { .venv/bin/python -m unittest discover "$@"; }
+
+fast() {
+  cargo nextest run --workspace --locked --no-fail-fast -E 'not binary(engines)' "$@"
+  py_suite -s common/engine/tests
+  py_suite -s decoded/engine/tests -p 'test_stop_text.py'
+}
+
+engines() {
+  cargo nextest run --workspace --locked --no-fail-fast -E 'binary(engines)' "$@"
+  py_suite -s decoded/engine/tests -p 'test_adapter.py'
+  py_suite -s prefilld/engine/tests
+}
+
+times=()
+run_tier() {
+  local name=$1 start=$SECONDS
+  shift
+  echo "test.sh: $name tier" >&2
+  "$name" "$@"
+  times+=("$name $(( SECONDS - start )) s")
+  echo "test.sh: $name tier passed in $(( SECONDS - start )) s" >&2
+}
+
+case "$tier" in
+  all) run_tier fast "$@"; run_tier engines "$@" ;;
+  *) run_tier "$tier" "$@" ;;
+esac
+echo "test.sh: tiers: $(IFS=,; echo "${times[*]}" | sed 's/,/, /g')" >&2

@@ -17,7 +17,7 @@ use pdbridge_common::{
     spec,
 };
 use pdbridge_tests::{
-    Daemon, Engines, Scratch,
+    Daemon, Scratch,
     cache_store::{block_shards, cached_blocks, frames, push, rows_shards},
     fixed_spec_config,
 };
@@ -286,12 +286,11 @@ impl Drop for SmallDisk {
 
 #[tokio::test]
 async fn a_full_disk_refuses_blocks_cleanly_then_evicts_to_make_room() {
-    let engines = Engines::locate();
     let scratch = Scratch::new("diskfull");
-    // The store is the small disk itself; the engine's socket and bundle sit beside it.
+    // The store is the small disk itself; the spec and its bundle sit beside it.
     let disk = SmallDisk::mount(scratch.0.join("store"), 4 << 20);
     let store = disk.0.clone();
-    let config = engines.decoded_config(&store, BLOCK_TOKENS, "[front]\nlisten = \"127.0.0.1:0\"\n");
+    let config = fixed_spec_config(&scratch.0.join("spec"), &store, BLOCK_TOKENS, "");
     let decoded = Daemon::start("decoded", &config).await;
     decoded.wait_ready(Duration::from_secs(300)).await;
     let mut client = CacheStoreClient::new(decoded.channel().await).max_decoding_message_size(64 << 20);

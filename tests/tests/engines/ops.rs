@@ -1,23 +1,10 @@
-//! Operations: the deployment files verify, and the daemons speak the service
-//! manager's readiness protocol.
+//! Operations on the real engines: the daemons speak the service manager's
+//! readiness protocol.
 
 use std::time::Duration;
 
-use pdbridge_tests::{Daemon, Engines, Scratch, workspace_root};
+use pdbridge_tests::{Daemon, Engines, Scratch};
 use tokio::net::UnixDatagram;
-
-#[tokio::test]
-async fn deployment_files_verify() {
-    let script = workspace_root().join("deploy/check.sh");
-    let output = tokio::process::Command::new("bash").arg(&script).output().await.expect("run deploy/check.sh");
-    let text = format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
-    assert!(output.status.success(), "deploy/check.sh failed:\n{text}");
-    for file in
-        ["pdbridge-prefilld.service", "pdbridge-decoded.service", "com.pd-bridge.decoded.plist", "pd-bridge.json"]
-    {
-        assert!(text.contains(file), "check.sh did not check {file}:\n{text}");
-    }
-}
 
 /// `Type=notify`: READY=1 arrives only once the engine is ready, STOPPING=1 on SIGTERM.
 #[tokio::test]
