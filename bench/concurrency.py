@@ -46,9 +46,9 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bridge import Client, EngineLog, Prompts, check, corpus, machine_info, timed  # noqa: E402
-from daemons import ROOT, Daemons  # noqa: E402
+# bench/'s own modules: Python puts a script's folder first on its path.
+from bridge import Client, EngineLog, Prompts, check, corpus, machine_info, timed
+from daemons import ROOT, Daemons
 
 MODEL = "smollm2"
 MAX_LEN = 8192

@@ -2,7 +2,7 @@
 """Fidelity of the bridge (issue 4): is the bridged cache the decoder's own cache?
 
 In-process, real engines, no daemons: the vLLM server with the plugin and a socket receiver
-(prefilld/engine/tests/support.py), mlx-lm for the decoder (decoded's adapter `Engine`), HF
+(`pdbridge_testkit.prefill`), mlx-lm for the decoder (decoded's adapter `Engine`), HF
 transformers for the plain-transfer baseline. One command:
 
     bench/fidelity.sh [--n 20] [--lengths 1024,2048,...] [--budget-s 1500]
@@ -15,7 +15,7 @@ Writes bench/results/fidelity.json and bench/results/fidelity.md.
 2. chunk independence: one prompt bridged by vLLM at `--max-num-batched-tokens 256` and at the
    default (4096 on CPU): are the reconstructed blocks byte-identical?
 3. store round trip: the adapter's `export` of the decoder's native cache → block files → the
-   adapter's `_restore` → generation; first-token log-probabilities and 32 greedy tokens compared
+   adapter's `restore` → generation; first-token log-probabilities and 32 greedy tokens compared
    bit for bit with generating from the in-memory native cache.
 4. end to end over real texts (license texts from the environment's dist-info folders and the
    repo's LICENSE): native (decoder prefills the prompt itself) vs bridged (whole blocks from the
@@ -46,11 +46,11 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "prefilld" / "engine" / "tests"))
-sys.path.insert(0, str(ROOT / "decoded" / "engine"))
+from pdbridge_testkit import HF_DIR, MLX_DIR, NUM_LAYERS
+from pdbridge_testkit.decoder import CaptureInput
+from pdbridge_testkit.prefill import Receiver, VllmServer
 
-import support  # noqa: E402  (also puts prefilld/engine on sys.path)
+ROOT = Path(__file__).resolve().parent.parent
 
 B = int(os.environ.get("PDB_FIDELITY_BLOCK", "256"))  # block tokens (decoded's default)
 TAIL = 8  # prompt tokens past the last whole block: the decoder prefills them itself
@@ -146,7 +146,7 @@ class Decoder:
         from pdbridge_mlx.engine import Engine
 
         self.mx = mx
-        self.engine = Engine(str(support.MLX_DIR), block_tokens=B, dtype=mx.float32,
+        self.engine = Engine(str(MLX_DIR), block_tokens=B, dtype=mx.float32,
                              bundle_dir=str(tmp / "bundle"))
         self.q4 = self.engine.model
         self.model = self.q4  # what "the decoder" runs for native/bridged/baseline generation
@@ -158,7 +158,7 @@ class Decoder:
         from mlx_lm import load
 
         mx = self.mx
-        model, _ = load(str(support.MLX_DIR))
+        model, _ = load(str(MLX_DIR))
         model.set_dtype(mx.float32)
         swaps = []
         for path, child in model.named_modules():
@@ -187,7 +187,7 @@ class Decoder:
             block_files: list[str] | None = None, capture: list | None = None) -> dict:
         """Greedy generation as the adapter does it (generate_step, prefill step 2048): from
         nothing (native), from given K/V covering the first whole blocks, or from block files
-        through the adapter's own `_restore`. Returns first-step log-probs, GREEDY tokens, the
+        through the adapter's own `restore`. Returns first-step log-probs, GREEDY tokens, the
         cache, timings."""
         from mlx_lm.generate import generate_step
         from mlx_lm.models.cache import make_prompt_cache
@@ -197,7 +197,7 @@ class Decoder:
         cached = 0
         t0 = time.perf_counter()
         if block_files is not None:
-            cache, cached = self.engine._restore(block_files, None, tokens, None)
+            cache, cached = self.engine.restore(block_files, None, tokens, None)
         elif cache_kv is not None:
             covered = cache_kv[0][0].shape[2]
             for c, (k, v) in zip(cache, cache_kv):
@@ -208,7 +208,7 @@ class Decoder:
         layers = None
         if capture is not None:
             layers = model.model.layers
-            model.model.layers = [support._CaptureInput(b, capture) for b in layers]
+            model.model.layers = [CaptureInput(b, capture) for b in layers]
         out, first = [], None
         try:
             t1 = time.perf_counter()
@@ -235,8 +235,8 @@ def vllm_blocks(tmp: Path, prompts: dict[str, list[int]], bundle: str, sha: str,
                 label: str, env: dict[str, str] | None = None) -> dict:
     """Starts vLLM with the plugin, bridges every prompt's whole blocks, stops vLLM. Returns per
     prompt the block payload files, the `done` event and the POST→done time."""
-    rx = support.Receiver(tmp / f"plugin-{label}.sock")
-    server = support.VllmServer(tmp / f"vllm-{label}.log", extra_args=extra_args)
+    rx = Receiver(tmp / f"plugin-{label}.sock")
+    server = VllmServer(tmp / f"vllm-{label}.log", extra_args=extra_args)
     server.env.update(env or {})
     out = {"startup_s": None, "prompts": {}}
     try:
@@ -302,7 +302,7 @@ def chunking_probes(tmp: Path, bundle: str, sha: str, chunk_ids: list[int]) -> d
     import torch
     from vllm import _custom_ops as ops
 
-    cfg = json.loads((support.HF_DIR / "config.json").read_text())
+    cfg = json.loads((HF_DIR / "config.json").read_text())
     gen = torch.Generator().manual_seed(0)
     rows = []  # rows B..B+m of a whole-prompt product, recomputed in an m-token step
     for k, n in ((cfg["hidden_size"], cfg["intermediate_size"]), (cfg["intermediate_size"], cfg["hidden_size"])):
@@ -337,7 +337,7 @@ def load_blocks(files: list[str]) -> list[dict[tuple[int, str], np.ndarray]]:
 def blocks_to_kv(blocks: list[dict]) -> list[tuple[np.ndarray, np.ndarray]]:
     return [(np.concatenate([b[(l, "keys")] for b in blocks], axis=2),
              np.concatenate([b[(l, "values")] for b in blocks], axis=2))
-            for l in range(support.NUM_LAYERS)]
+            for l in range(NUM_LAYERS)]
 
 
 # ------------------------------------------------------------------ baseline (torch)
@@ -353,7 +353,7 @@ class TorchPrefill:
 
         self.torch = torch
         torch.set_num_threads(2)
-        self.model = AutoModelForCausalLM.from_pretrained(str(support.HF_DIR), dtype=torch.float32)
+        self.model = AutoModelForCausalLM.from_pretrained(str(HF_DIR), dtype=torch.float32)
         self.model.eval()
 
     def kv(self, tokens: list[int]) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -376,7 +376,7 @@ def main():
     ap.add_argument("--min-tokens", type=int, default=1024, help="shortest text admitted")
     ap.add_argument("--lengths", default="1024,2048,3072,4096,5120,6144",
                     help="prompt i gets lengths[i %% len] tokens rounded up to whole blocks, "
-                         "+ %d tail tokens (fewer blocks if its text is shorter)" % TAIL)
+                         f"+ {TAIL} tail tokens (fewer blocks if its text is shorter)")
     ap.add_argument("--probe-tokens", type=int, default=2 * B + TAIL,
                     help="prompt of items 1-3 (and the dense check)")
     ap.add_argument("--budget-s", type=float, default=3600,
@@ -451,7 +451,7 @@ def run_all(args, tmp: Path, R: dict):
     native_probe = dec.run(dec.q4, probe_ids, capture=inputs)
     rate_q4 = len(probe_ids) / native_probe["prefill_s"]
     log(f"native probe prefill {native_probe['prefill_s']:.1f} s ({rate_q4:.1f} tok/s)")
-    L = support.NUM_LAYERS
+    L = NUM_LAYERS
     calls = len(inputs) // L
     hidden, covered = [], 0
     for c in range(calls):  # prompt calls only (the prefill chunk(s) + the last prompt token)
@@ -476,10 +476,12 @@ def run_all(args, tmp: Path, R: dict):
     log(f"item 1: {s1['tensors_exact']}/{s1['tensors_total']} tensors bit-exact, max ulp {s1['max_ulp']}")
 
     # item 3: the adapter's export → block files → the adapter's restore → generation
-    exp = dec.engine.export({"tokens": probe_ids, "dir": str(tmp / "export")})
-    rt = dec.run(dec.q4, probe_ids, block_files=exp["files"])
+    from pdbridge_cache.proto import engine_pb2
+
+    exp = dec.engine.export(engine_pb2.ExportRequest(tokens=probe_ids, dir=str(tmp / "export")))
+    rt = dec.run(dec.q4, probe_ids, block_files=list(exp.files))
     same_lp = bool(np.array_equal(rt["logprobs"].view(np.uint32), native_probe["logprobs"].view(np.uint32)))
-    exported = load_blocks_safetensors(exp["files"])
+    exported = load_blocks_safetensors(list(exp.files))
     files_exact = all(np.array_equal(exported[l][j].view(np.uint32), native_kv[l][j].view(np.uint32))
                       for l in range(L) for j in (0, 1))
     R["roundtrip"] = {"prompt_tokens": len(probe_ids), "blocks": exp["blocks"],
@@ -528,7 +530,7 @@ def dense_probe(dec, probe_ids, native_probe) -> dict:
 def run_bridge(args, tmp, R, dec, e2e, order, probe_ids, chunk_ids, native_kv, nb, rate_q4):
     import mlx.core as mx
 
-    L = support.NUM_LAYERS
+    L = NUM_LAYERS
     dense_check = R["dense_check"]
     # ---- vLLM: chunk 256 (probe only), then default chunking (probe + all e2e prompts)
     bundle_path, sha = str(dec.engine.bundle_path), dec.engine.bundle_sha256
@@ -607,7 +609,7 @@ def run_bridge(args, tmp, R, dec, e2e, order, probe_ids, chunk_ids, native_kv, n
 
 
 def e2e_row(dec, torch_pf, R, name, tokens, n) -> dict:
-    L = support.NUM_LAYERS
+    L = NUM_LAYERS
     if True:
         nat = dec.run(dec.model, tokens)
         nkv = cache_np(nat["cache"], n * B)
@@ -653,7 +655,7 @@ def load_blocks_safetensors(files: list[str]) -> list[tuple[np.ndarray, np.ndarr
     arrays = [mx.load(f) for f in files]
     return [(np.concatenate([np.array(a[f"{l}.keys"]) for a in arrays], axis=2),
              np.concatenate([np.array(a[f"{l}.values"]) for a in arrays], axis=2))
-            for l in range(support.NUM_LAYERS)]
+            for l in range(NUM_LAYERS)]
 
 
 def summarize_e2e(R: dict, rows: list[dict]):

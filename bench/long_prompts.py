@@ -24,11 +24,10 @@ import datetime as dt
 import json
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bridge import Client, EngineLog, Prompts, corpus, machine_info, timed  # noqa: E402
-from daemons import BLOCK_TOKENS, ROOT, Daemons  # noqa: E402
+# bench/'s own modules: Python puts a script's folder first on its path.
+from bridge import Client, EngineLog, Prompts, corpus, machine_info, timed
+from daemons import BLOCK_TOKENS, ROOT, Daemons
 
 MODEL = "tiny-llama-long"
 

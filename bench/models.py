@@ -35,11 +35,10 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bridge import Client, EngineLog, Prompts, corpus, machine_info, timed  # noqa: E402
-from daemons import BLOCK_TOKENS, ROOT, Daemons  # noqa: E402
+# bench/'s own modules: Python puts a script's folder first on its path.
+from bridge import Client, EngineLog, Prompts, corpus, machine_info, timed
+from daemons import BLOCK_TOKENS, ROOT, Daemons
 
-sys.path.insert(0, str(ROOT / "decoded" / "engine"))
 GREEDY = 32
 SAME_INPUT_STEP = 384
 
@@ -120,10 +119,11 @@ def own_bytes(engine, kind: str) -> int:
         caches = decoder_caches(engine.model, None, 64)
         engine.model(mx.zeros((1, BLOCK_TOKENS), mx.int32), cache=caches)
         return sum(c.nbytes for c in caches if codec_for(c).kind == POOLED)
+    from pdbridge_cache.format import safetensors_dtype
     from pdbridge_cache.safetensors_io import DTYPE_NAMES
 
     size = {name: dtype.size for dtype, name in DTYPE_NAMES.items()}
-    return sum(math.prod(t["shape"]) * size[t["dtype"]]
+    return sum(math.prod(t["shape"]) * size[safetensors_dtype(t["dtype"])]
                for layer in engine.spec["layers"] if layer["kind"] == kind for t in layer["tensors"])
 
 
@@ -161,7 +161,7 @@ def generation(engine, tokens: list[int], paths: list[str]):
     from mlx_lm.models.cache import make_prompt_cache
     from pdbridge_mlx.engine import PREFILL_STEP_SIZE
 
-    cache, cached = engine._restore(paths, None, tokens, None) if paths else (make_prompt_cache(engine.model), 0)
+    cache, cached = engine.restore(paths, None, tokens, None) if paths else (make_prompt_cache(engine.model), 0)
     first, out = None, []
     for token, logprobs in generate_step(mx.array(tokens[cached:]), engine.model, prompt_cache=cache,
                                          max_tokens=GREEDY, prefill_step_size=PREFILL_STEP_SIZE,
@@ -179,9 +179,11 @@ def rounding_flips(engine, tokens: list[int], paths: list[str], export_dir: Path
 
     import mlx.core as mx
     from pdbridge_cache.kinds import POOLED, codec_for
+    from pdbridge_cache.proto import engine_pb2
 
     shutil.rmtree(export_dir, ignore_errors=True)
-    own = engine.export({"tokens": tokens[:len(paths) * BLOCK_TOKENS], "dir": str(export_dir)})["files"]
+    own = list(engine.export(engine_pb2.ExportRequest(tokens=tokens[:len(paths) * BLOCK_TOKENS],
+                                                      dir=str(export_dir))).files)
     pooled = [i for i, c in enumerate(engine.templates) if codec_for(c).kind == POOLED]
     counts: dict = {}
     identical = 0
@@ -259,10 +261,11 @@ def run_row(row: Row, args, text: str) -> dict:
     first_agree = greedy_agree = 0
     kls, sent, tokens_sent = [], 0, 0
     from pdbridge_cache.kinds import POOLED, ROWS, SNAPSHOT
+    from pdbridge_cache.proto import engine_pb2
 
     pooled = any(layer["kind"] == POOLED for layer in engine.spec["layers"])
     for prompt, out in zip(prompts, rows_out):
-        tokens = engine.tokenize({"messages": prompt["messages"]})
+        tokens = engine.tokenize(engine_pb2.TokenizeRequest(messages_json=json.dumps(prompt["messages"])))
         paths = chain(store, tokens, engine.per_block)
         native_lp, native_tokens = generation(engine, tokens, [])
         bridged_lp, bridged_tokens = generation(engine, tokens, paths)
@@ -281,7 +284,7 @@ def run_row(row: Row, args, text: str) -> dict:
             out["rounding_flips"] = rounding_flips(engine, tokens, paths, run / "export")
         sent += sum(file_tensor_bytes(p) for p in paths)
         tokens_sent += len(paths) * BLOCK_TOKENS
-    probe = engine.tokenize({"messages": prompts[0]["messages"]})
+    probe = engine.tokenize(engine_pb2.TokenizeRequest(messages_json=json.dumps(prompts[0]["messages"])))
     own = own_bytes(engine, ROWS)
     snapshot = own_bytes(engine, SNAPSHOT)
     per_block = snapshot + own_bytes(engine, POOLED)

@@ -17,11 +17,10 @@ import json
 import sys
 import threading
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bridge import Client, EngineLog, Prompts, corpus, machine_info, timed  # noqa: E402
-from daemons import ROOT, Daemons, descendants, open_files  # noqa: E402
+# bench/'s own modules: Python puts a script's folder first on its path.
+from bridge import Client, EngineLog, Prompts, corpus, machine_info, timed
+from daemons import ROOT, Daemons, descendants, open_files
 
 MODEL = "smollm2"
 MAX_LEN = 8192

@@ -40,9 +40,9 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bridge import Client, EngineLog, Prompts, check, corpus, machine_info, timed  # noqa: E402
-from daemons import ROOT, Topology  # noqa: E402
+# bench/'s own modules: Python puts a script's folder first on its path.
+from bridge import Client, EngineLog, Prompts, check, corpus, machine_info, timed
+from daemons import ROOT, Topology
 
 MAX_TOKENS = 32
 MAX_LEN = 8192

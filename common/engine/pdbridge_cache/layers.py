@@ -32,9 +32,9 @@ import mlx_lm
 from mlx.utils import tree_flatten, tree_unflatten
 
 from .kinds import POOLED, ROWS, SNAPSHOT, codec_for, decoder_caches
+from .format import BUNDLE_FORMAT
 from .safetensors_io import DTYPE_NAMES, dtype_name
 
-BUNDLE_FORMAT = "pdbridge-bundle-v2"
 # The module of a decoder block that writes its cache: attention, or a recurrent layer's.
 _ATTENTION, _RECURRENT = "self_attn", "linear_attn"
 # A parameter of layer N's cache path: its input norm or a parameter of that module (its path there).

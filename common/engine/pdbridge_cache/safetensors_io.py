@@ -18,15 +18,10 @@ from typing import Iterable, Mapping
 import mlx.core as mx
 import numpy as np
 
-# The wire names (safetensors dtype strings, also used in the cache spec).
-DTYPE_NAMES = {
-    mx.float32: "F32",
-    mx.float16: "F16",
-    mx.bfloat16: "BF16",
-    mx.uint32: "U32",
-    mx.int32: "I32",
-    mx.uint8: "U8",
-}
+from .format import SAFETENSORS_DTYPES
+
+# MLX's dtypes by their safetensors names (a cache spec's dtypes are pdbridge.v1.Dtype's names for them).
+DTYPE_NAMES = dict(zip((mx.float32, mx.float16, mx.bfloat16, mx.uint32, mx.int32, mx.uint8), SAFETENSORS_DTYPES))
 
 if sys.byteorder != "little":  # numpy's native order is what we write
     raise ImportError("pd-bridge writes little-endian files and needs a little-endian host")

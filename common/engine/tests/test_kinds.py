@@ -6,22 +6,21 @@ reconstructed rows generates exactly what the decoder generates natively."""
 from __future__ import annotations
 
 import re
-import sys
 import tempfile
 import unittest
 from pathlib import Path
 
+import mlx.core as mx
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import CacheList, KVCache, make_prompt_cache
+
+from pdbridge_cache import kinds
+from pdbridge_cache.check import native_prefill, same_input
+from pdbridge_cache.layers import CachePath, effective_rope
+from pdbridge_cache.proto import engine_pb2
+from pdbridge_mlx.engine import Engine
+
 REPO = Path(__file__).resolve().parents[3]
-sys.path.insert(0, str(REPO / "decoded" / "engine"))
-
-import mlx.core as mx  # noqa: E402
-from mlx_lm.generate import generate_step  # noqa: E402
-from mlx_lm.models.cache import CacheList, KVCache, make_prompt_cache  # noqa: E402
-
-from pdbridge_cache import kinds  # noqa: E402
-from pdbridge_cache.check import native_prefill, same_input  # noqa: E402
-from pdbridge_cache.layers import CachePath, effective_rope  # noqa: E402
-from pdbridge_mlx.engine import Engine  # noqa: E402
 
 MODELS = REPO / "models"
 MODEL = MODELS / "tiny-llama3-mlx"
@@ -83,13 +82,15 @@ class CacheKindsTest(unittest.TestCase):
 
     def test_other_families_sliding_windows_and_latent_caches(self):
         """Gemma 3 (RotatingKVCache sliding layers, q/k norms), DeepSeek-V3 (MLA: a latent and a
-        rope key of other widths) and gpt-oss (sliding layers, k/v biases, sinks that are not
-        cached): exact reconstruction, only the cache path's parameters in the bundle, and a cache
-        restored at a block boundary from reconstructed rows generates as the decoder does."""
+        rope key of other widths), gpt-oss (sliding layers, k/v biases, sinks that are not cached)
+        and Qwen3 (per-head k norms, 8-bit weights): exact reconstruction, only the cache path's
+        parameters in the bundle, and a cache restored at a block boundary from reconstructed rows
+        generates as the decoder does."""
         cases = {
             "gemma3": ({"RotatingKVCache", "KVCache"}, {"input_layernorm", "k_proj", "v_proj", "k_norm"}),
             "deepseek_v3": ({"KVCache"}, {"input_layernorm", "kv_a_proj_with_mqa", "kv_a_layernorm"}),
             "gpt_oss": ({"RotatingKVCache", "KVCache"}, {"input_layernorm", "k_proj", "v_proj"}),
+            "qwen3": ({"KVCache"}, {"input_layernorm", "k_proj", "v_proj", "k_norm"}),
         }
         for family, (classes, params) in cases.items():
             with self.subTest(family=family):
@@ -186,9 +187,10 @@ class CacheKindsTest(unittest.TestCase):
                          {("LayerCache", kinds.POOLED, 32)})
         shapes = {t["name"]: (t["dtype"], t["shape"]) for t in layers[1]["tensors"]}
         groups = BLOCK // 4
-        self.assertEqual(shapes, {"window": ("U32", [1, 32, 16]), "window_scales": ("U8", [1, 32, 2]),
-                                  "compress_kv": ("U32", [1, groups, 8]), "compress_kv_scales": ("U8", [1, groups, 4]),
-                                  "index_k": ("U32", [1, groups, 4]), "index_k_scales": ("U8", [1, groups, 1])})
+        u32, u8 = "DTYPE_U32", "DTYPE_U8"
+        self.assertEqual(shapes, {"window": (u32, [1, 32, 16]), "window_scales": (u8, [1, 32, 2]),
+                                  "compress_kv": (u32, [1, groups, 8]), "compress_kv_scales": (u8, [1, groups, 4]),
+                                  "index_k": (u32, [1, groups, 4]), "index_k_scales": (u8, [1, groups, 1])})
         self.assertEqual([t["name"] for t in layers[2]["tensors"]], ["window", "window_scales"])
         self.assertEqual([t["shape"][1] for t in layers[3]["tensors"]][2:], [BLOCK // 16] * 4)
         shipped = {re.sub(r"^.*layers\.\d+\.", "", name).rsplit(".", 1)[0] for name in mx.load(str(engine.bundle_path))}
@@ -202,9 +204,9 @@ class CacheKindsTest(unittest.TestCase):
         self.assertEqual(result.tensors_total, 5 * sum(len(l["tensors"]) for l in layers))
         self.assertEqual(result.tensors_exact, result.tensors_total, result)
 
-        exported = engine.export({"tokens": prompt, "dir": str(Path(self.tmp.name, "v41-blocks"))})
-        self.assertEqual(exported["blocks"], 5)
-        cache, cached = engine._restore(exported["files"][:3], None, self.tokens, None)
+        exported = engine.export(engine_pb2.ExportRequest(tokens=prompt, dir=str(Path(self.tmp.name, "v41-blocks"))))
+        self.assertEqual(exported.blocks, 5)
+        cache, cached = engine.restore(exported.files[:3], None, self.tokens, None)
         self.assertEqual((cached, [c.offset for c in cache]), (3 * BLOCK, [3 * BLOCK] * 4))
 
         def greedy(cache, tokens):
@@ -214,7 +216,7 @@ class CacheKindsTest(unittest.TestCase):
 
         self.assertEqual(greedy(cache, self.tokens[cached:]), greedy(make_prompt_cache(engine.model), self.tokens))
         with self.assertRaisesRegex(Exception, "cannot be rewound"):  # blocks ending with the last token
-            engine._restore(exported["files"], None, prompt, None)
+            engine.restore(list(exported.files), None, prompt, None)
         with self.assertRaisesRegex(ValueError, "mxfp8 cannot hold"):  # values mlx-lm never rounded
             kinds.codec_for(cache[0]).pack({"window": mx.random.normal((1, 32, 64), key=mx.random.key(0))})
         for block_tokens, reason in [(40, "leaves 8 in an open compression group"),

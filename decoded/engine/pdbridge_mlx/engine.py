@@ -12,6 +12,7 @@ cache class, and how a cache is rebuilt from blocks, is `pdbridge_cache.kinds`
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import threading
@@ -24,27 +25,23 @@ from mlx_lm import load, stream_generate
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
+from google.protobuf import json_format
 from pdbridge_cache import kinds
+from pdbridge_cache.format import (
+    BLOCK_FORMAT, DATA_SHA256, ROOT_KEY, TOKENIZER_FILES, proto_dtype, safetensors_dtype,
+)
 from pdbridge_cache.layers import CachePath, effective_rope, versions
+from pdbridge_cache.proto import bridge_pb2, engine_pb2
 from pdbridge_cache.safetensors_io import dtype_name, serialize, tensor_bytes, write_atomic
 
 from .errors import BadRequest, BlockUnusable, Cancelled, StartupError
-from .generation import Job, Output, Params, ms, parse_int, parse_tokens
+from .generation import Job, Output, Params, ms, parse_tokens
 
 log = logging.getLogger("pdbridge_mlx")
 
-BLOCK_FORMAT = "pdbridge-block-v1"
-# Block metadata: SHA-256 of the tensors' bytes, tensor by tensor in name order
-# (written by decoded's store).
-DATA_SHA256 = "pdb_data_sha256"
 # generate_step's and mlx_lm.server's default; export must chunk exactly as a
 # native generation would so its blocks are the decoder's own cache.
 PREFILL_STEP_SIZE = 2048
-# Parent key of block 0 in decoded's store (`BlockKey::ROOT`).
-ROOT_KEY = "00" * 32
-# Files whose bytes define how text becomes token ids, hashed as prefilld hashes its model's. The
-# bridge ships token ids; the chat template only decides, here, which text is tokenized.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
 def _sha256_file(path: Path) -> str:
@@ -103,7 +100,9 @@ class Engine:
         load_ms = ms(t0)
 
         layer_specs = self._probe_cache(kinds.decoder_caches(self.model, kv_bits, kv_group_size))
-        self.spec = self._make_spec(model_id or self.model_dir.name, layer_specs, dtype)
+        self.model_id = model_id or self.model_dir.name
+        # The spec as proto3 JSON (a dict): what `info` publishes, and what blocks are held to.
+        self.spec = self._make_spec(layer_specs, dtype)
         bridged = [l["index"] for l in layer_specs if l["kind"] != kinds.UNSUPPORTED]
         self.recurrent = any(l["kind"] == kinds.SNAPSHOT for l in layer_specs)
         self.cache_path = CachePath(self.model, self.templates, dtype, bridged)
@@ -118,13 +117,13 @@ class Engine:
         if not (self.bundle_path.is_file() and _sha256_file(self.bundle_path) == self.bundle_sha256):
             write_atomic(str(self.bundle_path), bundle_bytes)
         self.tokenizer_sha256 = self._tokenizer_sha256()
-        self._info = {
-            "model_id": self.spec["model_id"],
-            "spec": self.spec,
-            "bundle_path": str(self.bundle_path),
-            "bundle_sha256": self.bundle_sha256,
-            "tokenizer_sha256": self.tokenizer_sha256,
-        }
+        self._info = engine_pb2.InfoReply(
+            model_id=self.model_id,
+            spec=json_format.ParseDict(self.spec, bridge_pb2.CacheSpec()),
+            bundle_path=str(self.bundle_path),
+            bundle_sha256=self.bundle_sha256,
+            tokenizer_sha256=self.tokenizer_sha256,
+        )
         classes = sorted({l["cache_class"] for l in layer_specs})
         log.info(
             "loaded %s in %.0f ms (startup %.0f ms): %d layers, caches %s, %s, bundle %s (%d bytes, %d tensors), "
@@ -158,12 +157,13 @@ class Engine:
                 spec["rope"] = rope
         return layers
 
-    def _make_spec(self, model_id: str, layers: list[dict], dtype: mx.Dtype) -> dict:
+    def _make_spec(self, layers: list[dict], dtype: mx.Dtype) -> dict:
+        """The `pdbridge.v1.CacheSpec` as proto3 JSON, but for what decoded fills in (the model
+        id and the fingerprints)."""
         cfg = self.config
         heads = int(cfg["num_attention_heads"])
         architectures = cfg.get("architectures") or [cfg["model_type"]]
         return {
-            "model_id": model_id,
             "architecture": architectures[0],
             "num_layers": self.num_layers,
             "num_attention_heads": heads,
@@ -176,7 +176,7 @@ class Engine:
             "layers": layers,
             "decoder_code": {"model_type": str(cfg["model_type"]), **versions()},
             # A layer's input is cast to it before its cache path: layer inputs travel in it.
-            "input_dtype": dtype_name(dtype),
+            "input_dtype": proto_dtype(dtype_name(dtype)),
         }
 
     def _tokenizer_sha256(self) -> str:
@@ -190,41 +190,41 @@ class Engine:
 
     # ------------------------------------------------------- any thread (cheap)
 
-    def info(self) -> dict:
+    def info(self) -> engine_pb2.InfoReply:
         return self._info
 
-    def tokenize(self, req: dict) -> list[int]:
+    def tokenize(self, req: engine_pb2.TokenizeRequest) -> list[int]:
         """Exactly what mlx_lm.server would prefill for this request."""
-        if "messages" in req:
-            messages = req["messages"]
+        which = req.WhichOneof("input")
+        if which == "messages_json":
+            messages = _json(req.messages_json, "messages_json")
             if not isinstance(messages, list) or not all(
                 isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages
             ):
                 raise BadRequest("messages must be a list of objects with a string 'role'")
-            add_generation_prompt = req.get("add_generation_prompt", True)
-            if not isinstance(add_generation_prompt, bool):
-                raise BadRequest("add_generation_prompt must be a boolean")
-            kwargs = dict(req.get("chat_template_kwargs") or {})
-            if req.get("tools") is not None:
-                kwargs["tools"] = req["tools"]
+            add_generation_prompt = req.add_generation_prompt if req.HasField("add_generation_prompt") else True
+            kwargs = _json(req.chat_template_kwargs_json, "chat_template_kwargs_json") or {}
+            if not isinstance(kwargs, dict):
+                raise BadRequest("chat_template_kwargs_json must be a JSON object")
+            tools = _json(req.tools_json, "tools_json")
+            if tools is not None:
+                kwargs["tools"] = tools
             try:
                 tokens = self.tokenizer.apply_chat_template(
                     messages, add_generation_prompt=add_generation_prompt, tokenize=True, **kwargs
                 )
             except Exception as e:  # template errors are the request's fault
                 raise BadRequest(f"chat template failed: {e}") from e
-        elif "prompt" in req:
-            if not isinstance(req["prompt"], str):
-                raise BadRequest("prompt must be a string")
+        elif which == "prompt":
             # As mlx_lm.server's /v1/completions: special tokens per the tokenizer config.
-            tokens = self.tokenizer.encode(req["prompt"])
+            tokens = self.tokenizer.encode(req.prompt)
         else:
-            raise BadRequest("tokenize needs 'messages' or 'prompt'")
+            raise BadRequest("tokenize needs messages_json or prompt")
         return [int(t) for t in tokens]
 
     # ------------------------------------------------------ model thread only
 
-    def parse(self, req: dict) -> Params:
+    def parse(self, req: engine_pb2.GenerateRequest) -> Params:
         """A generate request, validated; any thread."""
         return Params.parse(req, self.spec["vocab_size"], self.block_tokens)
 
@@ -236,7 +236,7 @@ class Engine:
         """The cache the generation starts from: restored from its blocks (and tail), or empty;
         and how many prompt tokens it already holds."""
         if p.blocks or p.tail:
-            return self._restore(p.blocks, p.tail, p.tokens, p.spec_fingerprint)
+            return self.restore(p.blocks, p.tail, p.tokens, p.spec_fingerprint)
         return make_prompt_cache(self.model), 0
 
     @staticmethod
@@ -274,22 +274,18 @@ class Engine:
         finally:
             responses.close()
 
-    def export(self, req: dict) -> dict:
+    def export(self, req: engine_pb2.ExportRequest) -> engine_pb2.ExportReply:
         """Computes the decoder's native cache for `tokens` and writes each
         whole block as a block file."""
-        tokens = parse_tokens(req, self.spec["vocab_size"])
-        out_dir = req.get("dir")
-        if not isinstance(out_dir, str) or not out_dir:
+        tokens = parse_tokens(req.tokens, self.spec["vocab_size"])
+        out_dir = req.dir
+        if not out_dir:
             raise BadRequest("dir must be a path")
-        block_tokens = parse_int(req, "block_tokens", self.block_tokens, lo=1)
-        spec_fp = req.get("spec_fingerprint") or ""
-        if not isinstance(spec_fp, str):
-            raise BadRequest("spec_fingerprint must be a string")
+        block_tokens = req.block_tokens or self.block_tokens
+        spec_fp = req.spec_fingerprint
         n = len(tokens) // block_tokens
-        keys = req.get("keys")
-        if keys is not None and (
-            not isinstance(keys, list) or len(keys) < n or not all(isinstance(k, str) for k in keys)
-        ):
+        keys = list(req.keys) or None
+        if keys is not None and len(keys) < n:
             raise BadRequest(f"keys must be a list of at least {n} hex strings")
         os.makedirs(out_dir, exist_ok=True)
 
@@ -341,13 +337,9 @@ class Engine:
             path = os.path.join(os.path.abspath(out_dir), f"block-{i:06}.safetensors")
             write_atomic(path, serialize(tensors, metadata))
             files.append(path)
-        return {
-            "blocks": n,
-            "files": files,
-            "timings_ms": {"prefill": prefill_ms, "write": ms(t_write)},
-        }
+        return engine_pb2.ExportReply(blocks=n, files=files, timings_ms={"prefill": prefill_ms, "write": ms(t_write)})
 
-    def reconstruct(self, req: dict) -> dict:
+    def reconstruct(self, req: engine_pb2.ReconstructRequest) -> engine_pb2.ReconstructReply:
         """The decoder's cache for a block's layer inputs, computed here with the decoder's own
         modules and kernels (exact on this backend by construction): reads `inputs` (a safetensors
         file of `"{layer}.input"`, [rows, hidden] in the activation dtype, tokens at `offset`..),
@@ -355,10 +347,10 @@ class Engine:
         if self.recurrent:
             raise BadRequest("a recurrent state chains every block before it: it cannot be computed "
                              "from one block's layer inputs")
-        paths = [req.get(k) for k in ("inputs", "out")]
-        if not all(isinstance(p, str) and p for p in paths):
+        paths = [req.inputs, req.out]
+        if not all(paths):
             raise BadRequest("inputs and out must be paths")
-        offset = parse_int(req, "offset", None, lo=0)
+        offset = req.offset
         start = time.perf_counter()
         try:
             arrays = mx.load(paths[0])
@@ -376,11 +368,11 @@ class Engine:
         hidden = mx.stack([arrays[f"{layer}.input"] for layer in path.layers], axis=1)
         rows = path.block(hidden, offset)
         write_atomic(paths[1], serialize([(f"{layer}.{name}", a) for layer, name, a in rows], {}))
-        return {"rows": int(first.shape[0]), "timings_ms": {"reconstruct": ms(start)}}
+        return engine_pb2.ReconstructReply(rows=int(first.shape[0]), timings_ms={"reconstruct": ms(start)})
 
     # ------------------------------------------------------------------ helpers
 
-    def _restore(self, paths: list[str], tail: str | None, tokens: list[int],
+    def restore(self, paths: list[str], tail: str | None, tokens: list[int],
                  spec_fp: str | None) -> tuple[list, int]:
         """The decoder's caches rebuilt from the blocks (and the prompt's tail after them, all but
         its last token), and the number of prompt tokens the model will not recompute."""
@@ -433,7 +425,7 @@ class Engine:
             return tuple(B if i == t["token_axis"] else d for i, d in enumerate(t["shape"]))
 
         expected = {
-            f"{layer['index']}.{t['name']}": (t["dtype"], shape(layer, t))
+            f"{layer['index']}.{t['name']}": (safetensors_dtype(t["dtype"]), shape(layer, t))
             for layer in self.spec["layers"]
             for t in layer["tensors"]
         }
@@ -448,6 +440,16 @@ class Engine:
                     f"{where}: tensor {name} is {_dtype_str(a.dtype)} {list(a.shape)}, expected {dtype} {list(shape)}"
                 )
         return arrays
+
+
+def _json(text: str, field: str):
+    """A JSON-text field of a request; empty: None."""
+    if not text:
+        return None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise BadRequest(f"{field} is not JSON: {e}") from None
 
 
 def _data_sha256(arrays: dict[str, mx.array]) -> str:

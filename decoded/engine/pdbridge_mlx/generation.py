@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import queue
 import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
+
+from pdbridge_cache.proto import engine_pb2
 
 from .errors import BadRequest, Cancelled
 
@@ -52,45 +55,45 @@ class Params:
     tools: list[dict] | None
 
     @classmethod
-    def parse(cls, req: dict, vocab: int, block_tokens: int) -> "Params":
-        tokens = parse_tokens(req, vocab)
-        seed = req.get("seed")
-        if seed is not None and (type(seed) is not int or seed < 0):
-            raise BadRequest("seed must be a non-negative integer or null")
-        top_logprobs = req.get("logprobs")
-        if top_logprobs is not None and (type(top_logprobs) is not int or not 0 <= top_logprobs <= MAX_TOP_LOGPROBS):
-            raise BadRequest(f"logprobs must be null or the number of alternatives, 0 to {MAX_TOP_LOGPROBS}")
-        blocks = req.get("blocks") or []
-        if not isinstance(blocks, list) or not all(isinstance(b, str) for b in blocks):
-            raise BadRequest("blocks must be a list of file paths")
+    def parse(cls, req: engine_pb2.GenerateRequest, vocab: int, block_tokens: int) -> "Params":
+        """The request's values, held to their ranges (the schema has already held them to their types)."""
+        tokens = parse_tokens(req.tokens, vocab)
+        top_logprobs = req.logprobs if req.HasField("logprobs") else None
+        if top_logprobs is not None and top_logprobs > MAX_TOP_LOGPROBS:
+            raise BadRequest(f"logprobs must be unset or the number of alternatives, 0 to {MAX_TOP_LOGPROBS}")
+        blocks = list(req.blocks)
         if len(blocks) * block_tokens > len(tokens):
             raise BadRequest(
                 f"{len(blocks)} blocks of {block_tokens} tokens cover more than the {len(tokens)}-token prompt"
             )
-        tail = req.get("tail")
-        if tail is not None and not isinstance(tail, str):
-            raise BadRequest("tail must be a file path or null")
-        spec_fp = req.get("spec_fingerprint")
-        if spec_fp is not None and not isinstance(spec_fp, str):
-            raise BadRequest("spec_fingerprint must be a string")
-        stops = req.get("stop") or []
-        if not isinstance(stops, list) or not all(isinstance(t, str) and t for t in stops):
+        stops = list(req.stop)
+        if not all(stops):
             raise BadRequest("stop must be a list of non-empty strings")
-        tools = req.get("tools") or None
-        if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
-            raise BadRequest("tools must be a list of objects")
+        tools = None
+        if req.tools_json:
+            try:
+                tools = json.loads(req.tools_json)
+            except json.JSONDecodeError as e:
+                raise BadRequest(f"tools_json is not JSON: {e}") from None
+            if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+                raise BadRequest("tools must be a list of objects")
+            tools = tools or None
+        max_tokens = req.max_tokens if req.HasField("max_tokens") else 256
+        if max_tokens < 1:
+            raise BadRequest("max_tokens must be an integer >= 1")
         return cls(
             tokens=tokens,
-            max_tokens=parse_int(req, "max_tokens", 256, lo=1),
-            temperature=_float(req, "temperature", 0.0, lo=0.0),
-            top_p=_float(req, "top_p", 1.0, lo=0.0, hi=1.0),
-            seed=seed,
-            presence_penalty=_float(req, "presence_penalty", 0.0, lo=PENALTY_RANGE[0], hi=PENALTY_RANGE[1]),
-            frequency_penalty=_float(req, "frequency_penalty", 0.0, lo=PENALTY_RANGE[0], hi=PENALTY_RANGE[1]),
+            max_tokens=max_tokens,
+            temperature=_float("temperature", req.temperature, lo=0.0),
+            top_p=_float("top_p", req.top_p if req.HasField("top_p") else 1.0, lo=0.0, hi=1.0),
+            seed=req.seed if req.HasField("seed") else None,
+            presence_penalty=_float("presence_penalty", req.presence_penalty, lo=PENALTY_RANGE[0], hi=PENALTY_RANGE[1]),
+            frequency_penalty=_float("frequency_penalty", req.frequency_penalty, lo=PENALTY_RANGE[0],
+                                     hi=PENALTY_RANGE[1]),
             top_logprobs=top_logprobs,
             blocks=blocks,
-            tail=tail,
-            spec_fingerprint=spec_fp,
+            tail=req.tail if req.HasField("tail") else None,
+            spec_fingerprint=req.spec_fingerprint or None,
             stops=stops,
             tools=tools,
         )
@@ -113,21 +116,21 @@ class Job:
         self._lines: queue.SimpleQueue = queue.SimpleQueue()
 
     # model thread
-    def put(self, line: dict) -> None:
+    def put(self, line: engine_pb2.Reply) -> None:
         self._lines.put(line)
 
     def fail(self, error: BaseException) -> None:
         self._lines.put(error)
 
     # connection thread
-    def lines(self) -> Iterator[dict]:
+    def lines(self) -> Iterator[engine_pb2.Reply]:
         """Every line up to and including the done line; a failure is raised."""
         while True:
             line = self._lines.get()
             if isinstance(line, BaseException):
                 raise line
             yield line
-            if line.get("done"):
+            if line.HasField("done"):
                 return
 
 
@@ -170,13 +173,11 @@ class Output:
         if self.tool_calls is not None:
             text, calls = self.tool_calls.push(text)
         if text or calls or not self.filtered or self.params.top_logprobs is not None:
-            line: dict = {"token": int(token), "text": text}
-            if calls:
-                line["tool_calls"] = calls
-                self.made_tool_call = True
+            line = engine_pb2.Token(id=int(token), text=text, tool_calls=calls)
+            self.made_tool_call |= bool(calls)
             if self.params.top_logprobs is not None:
-                line["logprob"] = self._logprob(token, logprobs, self.params.top_logprobs)
-            self.job.put(line)
+                line.logprob.CopyFrom(self._logprob(token, logprobs, self.params.top_logprobs))
+            self.job.put(engine_pb2.Reply(token=line))
         if stopped or finish_reason == "length":
             self._finish("stop" if stopped else "length", "")
             return True
@@ -186,7 +187,7 @@ class Output:
         # Text held back until the end: by the detokenizer (e.g. a partial UTF-8 char), as a
         # possible start of a stop sequence that never completed, or in an unfinished tool call.
         held += self.stop_text.flush()
-        calls: list[dict] = []
+        calls: list[engine_pb2.ToolCall] = []
         if self.tool_calls is not None:
             text, calls = self.tool_calls.push(held)
             rest, more = self.tool_calls.flush()
@@ -195,42 +196,35 @@ class Output:
         if reason == "stop" and self.made_tool_call:
             reason = "tool_calls"
         p = self.params
-        done: dict = {
-            "done": True,
-            "finish_reason": reason,
-            "prompt_tokens": len(p.tokens),
-            "cached_tokens": self.cached,
-            "completion_tokens": self.completion,
-            "timings_ms": {
-                "queue": ms(self.job.received, self.admitted),
-                "restore": self.restore_ms,
-                "prefill": self.prefill_ms,
-                "first_token": self.first_token_ms,
-                "decode": ms(self.t_decode),
-                "total": ms(self.job.received),
-            },
+        timings = {
+            "queue": ms(self.job.received, self.admitted),
+            "restore": self.restore_ms,
+            "prefill": self.prefill_ms,
+            "first_token": self.first_token_ms,
+            "decode": ms(self.t_decode),
+            "total": ms(self.job.received),
         }
-        if held:
-            done["text"] = held
-        if calls:
-            done["tool_calls"] = calls
-        self.job.put(done)
+        done = engine_pb2.GenerateSummary(
+            finish_reason=reason, prompt_tokens=len(p.tokens), cached_tokens=self.cached,
+            completion_tokens=self.completion, timings_ms={k: v for k, v in timings.items() if v is not None},
+            text=held, tool_calls=calls,
+        )
+        self.job.put(engine_pb2.Reply(done=done))
 
-    def _logprob(self, token: int, logprobs: Any, top: int) -> dict:
+    def _logprob(self, token: int, logprobs: Any, top: int) -> engine_pb2.Logprob:
         """OpenAI's logprob entry for the sampled `token`: its text, log probability and UTF-8
         bytes, and the `top` most likely tokens at that step."""
         import mlx.core as mx
 
-        def entry(t: int, lp: float) -> dict:
+        def entry(t: int, lp: float) -> engine_pb2.Logprob:
             text = self.tokenizer.decode([t])
-            return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+            return engine_pb2.Logprob(token=text, logprob=lp, bytes=list(text.encode("utf-8")))
 
         chosen = entry(int(token), logprobs[int(token)].item())
-        chosen["top_logprobs"] = []
         if top:
             best = mx.argpartition(-logprobs, kth=top - 1)[:top]
             pairs = sorted(zip(best.tolist(), logprobs[best].tolist()), key=lambda p: -p[1])
-            chosen["top_logprobs"] = [entry(t, lp) for t, lp in pairs]
+            chosen.top_logprobs.extend(entry(t, lp) for t, lp in pairs)
         return chosen
 
 
@@ -277,7 +271,7 @@ class ToolCalls:
         self.in_call = False
         self.call_text = ""
 
-    def push(self, text: str) -> tuple[str, list[dict]]:
+    def push(self, text: str) -> tuple[str, list[engine_pb2.ToolCall]]:
         self.state, segments = self.machine.split(self.state, text)
         out, calls = "", []
         for state, piece in segments:
@@ -292,7 +286,7 @@ class ToolCalls:
             self.in_call = state == "tool"
         return out, calls
 
-    def flush(self) -> tuple[str, list[dict]]:
+    def flush(self) -> tuple[str, list[engine_pb2.ToolCall]]:
         """At the end of the answer: text held as a possible marker, and an unfinished call
         (a parser without an end marker ends its call with the answer)."""
         self.state, held, state = self.machine.flush(self.state)
@@ -302,7 +296,7 @@ class ToolCalls:
         self.in_call = False
         return self._parse(closed=False)
 
-    def _parse(self, closed: bool = True) -> tuple[str, list[dict]]:
+    def _parse(self, closed: bool = True) -> tuple[str, list[engine_pb2.ToolCall]]:
         raw, self.call_text = self.call_text, ""
         try:
             parsed = self.parser(raw, self.tools)
@@ -312,38 +306,26 @@ class ToolCalls:
             return self.start + raw + (self.end if closed and self.end else ""), []
 
 
-def _openai_call(call: dict) -> dict:
+def _openai_call(call: dict) -> engine_pb2.ToolCall:
     arguments = call.get("arguments", {})
-    return {
-        "id": call.get("id") or f"call_{uuid.uuid4().hex[:24]}",
-        "name": str(call["name"]),
-        "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False),
-    }
+    return engine_pb2.ToolCall(
+        id=call.get("id") or f"call_{uuid.uuid4().hex[:24]}",
+        name=str(call["name"]),
+        arguments=arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False),
+    )
 
 
-def parse_tokens(req: dict, vocab: int) -> list[int]:
-    tokens = req.get("tokens")
-    if not isinstance(tokens, list) or not tokens:
+def parse_tokens(tokens: Iterable[int], vocab: int) -> list[int]:
+    tokens = list(tokens)
+    if not tokens:
         raise BadRequest("tokens must be a non-empty list of token ids")
     for t in tokens:
-        if type(t) is not int or not 0 <= t < vocab:
+        if not 0 <= t < vocab:
             raise BadRequest(f"token id {t!r} is not in [0, {vocab})")
     return tokens
 
 
-def parse_int(req: dict, key: str, default: int, *, lo: int) -> int:
-    v = req.get(key, default)
-    if v is None:
-        v = default
-    if type(v) is not int or v < lo:
-        raise BadRequest(f"{key} must be an integer >= {lo}")
-    return v
-
-
-def _float(req: dict, key: str, default: float, *, lo: float, hi: float | None = None) -> float:
-    v = req.get(key, default)
-    if v is None:
-        v = default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or v < lo or (hi is not None and v > hi):
+def _float(key: str, v: float, *, lo: float, hi: float | None = None) -> float:
+    if math.isnan(v) or v < lo or (hi is not None and v > hi):
         raise BadRequest(f"{key} must be a number in [{lo}, {hi if hi is not None else 'inf'}]")
     return float(v)

@@ -26,6 +26,9 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from google.protobuf import json_format
+from pdbridge_cache.proto import engine_pb2
+
 from .errors import BadRequest, BlockUnusable, Cancelled, StartupError
 from .generation import Job
 
@@ -144,11 +147,17 @@ class _Exclusive:
     between_steps: bool = False
 
 
-def _send(conn: socket.socket, obj: dict) -> None:
-    conn.sendall(json.dumps(obj, separators=(",", ":"), allow_nan=False).encode() + b"\n")
+def to_line(message: Any) -> bytes:
+    """A message as one line of the protocol: its proto3 JSON with the proto field names."""
+    obj = json_format.MessageToDict(message, preserving_proto_field_name=True)
+    return json.dumps(obj, separators=(",", ":")).encode() + b"\n"
 
 
-def _read_request(conn: socket.socket) -> dict:
+def _send(conn: socket.socket, reply: engine_pb2.Reply) -> None:
+    conn.sendall(to_line(reply))
+
+
+def _read_request(conn: socket.socket) -> engine_pb2.Request:
     buf = bytearray()
     while b"\n" not in buf:
         chunk = conn.recv(1 << 16)
@@ -161,16 +170,13 @@ def _read_request(conn: socket.socket) -> dict:
     if not line:
         raise BadRequest("empty request")
     try:
-        req = json.loads(line)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise BadRequest(f"request is not JSON: {e}") from e
-    if not isinstance(req, dict):
-        raise BadRequest("request must be a JSON object")
-    return req
+        return json_format.Parse(line, engine_pb2.Request())
+    except (UnicodeDecodeError, json_format.ParseError) as e:
+        raise BadRequest(f"request is not a pdbridge.engine.v1.Request: {e}") from e
 
 
 class Handler:
-    """One request per connection: read a JSON line, answer with JSON lines, close."""
+    """One request per connection: read a `Request` line, answer with `Reply` lines, close."""
 
     def __init__(self, engine: Any, model_thread: ModelThread) -> None:
         self.engine = engine
@@ -183,28 +189,32 @@ class Handler:
             conn.settimeout(IO_TIMEOUT_S)
             try:
                 req = _read_request(conn)
-                op = str(req.get("op"))
-                summary = self._dispatch(op, req, conn, received)
+                op = req.WhichOneof("op") or "?"
+                summary = self._dispatch(op, getattr(req, op) if op != "?" else None, conn, received)
                 log.info("op=%s ok %sms=%.1f", op, summary, (time.perf_counter() - received) * 1000)
             except BadRequest as e:
                 log.warning("op=%s bad_request: %s", op, e)
-                self._send_error(conn, str(e), "bad_request")
+                self._send_error(conn, engine_pb2.Error(message=str(e), kind=engine_pb2.ERROR_KIND_BAD_REQUEST))
             except BlockUnusable as e:
                 log.warning("op=%s block_unusable: %s", op, e)
-                self._send_error(conn, str(e), "block_unusable", block=e.index)
+                self._send_error(
+                    conn, engine_pb2.Error(message=str(e), kind=engine_pb2.ERROR_KIND_BLOCK_UNUSABLE, block=e.index)
+                )
             except Cancelled as e:
                 log.info("op=%s cancelled: %s", op, e)
             except Exception as e:
                 log.exception("op=%s failed", op)
-                self._send_error(conn, f"{type(e).__name__}: {e}", "internal")
+                self._send_error(
+                    conn, engine_pb2.Error(message=f"{type(e).__name__}: {e}", kind=engine_pb2.ERROR_KIND_INTERNAL)
+                )
 
-    def _dispatch(self, op: str, req: dict, conn: socket.socket, received: float) -> str:
+    def _dispatch(self, op: str, req: Any, conn: socket.socket, received: float) -> str:
         if op == "info":
-            _send(conn, self.engine.info())
+            _send(conn, engine_pb2.Reply(info=self.engine.info()))
             return ""
         if op == "tokenize":
             tokens = self.engine.tokenize(req)
-            _send(conn, {"tokens": tokens})
+            _send(conn, engine_pb2.Reply(tokenize=engine_pb2.TokenizeReply(tokens=tokens)))
             return f"tokens={len(tokens)} "
         if op == "generate":
             job = Job(self.engine.parse(req), received)
@@ -215,28 +225,28 @@ class Handler:
             except OSError as e:  # the model thread drops it at its next step
                 job.cancelled.set()
                 raise Cancelled(f"client went away: {e}") from e
-            t = done["timings_ms"]
+            done, t = done.done, done.done.timings_ms
             return (
-                f"prompt={done['prompt_tokens']} cached={done['cached_tokens']} "
-                f"completion={done['completion_tokens']} finish={done['finish_reason']} "
+                f"prompt={done.prompt_tokens} cached={done.cached_tokens} "
+                f"completion={done.completion_tokens} finish={done.finish_reason} "
                 f"queue_ms={t['queue']} restore_ms={t['restore']} prefill_ms={t['prefill']} "
                 f"first_token_ms={t['first_token']} decode_ms={t['decode']} "
             )
         if op == "export":
             reply = self.model_thread.call(self.engine.export, req)
-            _send(conn, reply)
-            t = reply["timings_ms"]
-            return f"tokens={len(req['tokens'])} blocks={reply['blocks']} prefill_ms={t['prefill']} write_ms={t['write']} "
+            _send(conn, engine_pb2.Reply(export=reply))
+            t = reply.timings_ms
+            return f"tokens={len(req.tokens)} blocks={reply.blocks} prefill_ms={t['prefill']} write_ms={t['write']} "
         if op == "reconstruct":
             reply = self.model_thread.between_steps(self.engine.reconstruct, req)
-            _send(conn, reply)
-            return f"offset={req.get('offset')} rows={reply['rows']} reconstruct_ms={reply['timings_ms']['reconstruct']} "
-        raise BadRequest(f"unknown op {op!r} (expected info, tokenize, generate, export or reconstruct)")
+            _send(conn, engine_pb2.Reply(reconstruct=reply))
+            return f"offset={req.offset} rows={reply.rows} reconstruct_ms={reply.timings_ms['reconstruct']} "
+        raise BadRequest("the request names no op (expected info, tokenize, generate, export or reconstruct)")
 
     @staticmethod
-    def _send_error(conn: socket.socket, message: str, kind: str, **extra) -> None:
+    def _send_error(conn: socket.socket, error: engine_pb2.Error) -> None:
         try:
-            _send(conn, {"error": message, "kind": kind, **extra})
+            _send(conn, engine_pb2.Reply(error=error))
         except OSError:
             pass
 
@@ -245,7 +255,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m pdbridge_mlx",
         description="pd-bridge decode engine adapter: serves an mlx-lm model over a unix socket "
-        "(ops: info, tokenize, generate, export; one JSON request line per connection).",
+        "(ops: info, tokenize, generate, export, reconstruct; one request line per connection, "
+        "proto/engine.proto as proto3 JSON).",
     )
     p.add_argument("--model", required=True, help="mlx-lm model folder")
     p.add_argument("--socket", required=True, help="unix socket path to serve on (a stale file is replaced)")
@@ -394,11 +405,11 @@ def main(argv: list[str] | None = None) -> int:
                 log.error("cannot start: %s", e)
             else:
                 log.exception("cannot start")
-            ready_out.write(json.dumps({"ready": False, "error": str(e)}) + "\n")
+            ready_out.write(to_line(engine_pb2.Ready(ready=False, error=str(e))).decode())
             ready_out.flush()
             return 1
         log.info("serving on %s (ready in %.0f ms)", adapter.socket_path, (time.perf_counter() - t0) * 1000)
-        ready_out.write(json.dumps({"ready": True, "socket": adapter.socket_path}) + "\n")
+        ready_out.write(to_line(engine_pb2.Ready(ready=True, socket=adapter.socket_path)).decode())
         ready_out.flush()
         adapter.serve()
     except _Shutdown as sig:

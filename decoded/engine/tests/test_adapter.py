@@ -25,6 +25,9 @@ import time
 import unittest
 from pathlib import Path
 
+from google.protobuf import json_format
+from pdbridge_cache.proto import engine_pb2
+
 ROOT = Path(__file__).resolve().parents[3]
 ENGINE_DIR = ROOT / "decoded" / "engine"
 MODEL = Path(os.environ.get("PDB_TEST_MODEL", ROOT / "models" / "smollm2-mlx"))
@@ -39,24 +42,53 @@ MESSAGES = [{
 MAX_TOKENS = 24
 
 
+# Request fields a chat template renders: JSON text on the wire (engine.proto says why).
+_AS_JSON_TEXT = {"messages": "messages_json", "tools": "tools_json"}
+
+
+def wire(obj: dict) -> bytes:
+    """A request written here as {"op": name, field: value, ...}, as the line engine.proto's
+    `Request` is: {name: {field: value, ...}}, with JSON values as JSON text."""
+    obj = dict(obj)
+    op = obj.pop("op")
+    fields = {_AS_JSON_TEXT.get(k, k): json.dumps(v) if k in _AS_JSON_TEXT else v
+              for k, v in obj.items() if v is not None}
+    return json.dumps({op: fields}).encode() + b"\n"
+
+
+def flat(line: bytes) -> dict:
+    """A reply line, held to engine.proto's `Reply` (parsing fails on anything else), as one dict
+    with every field of its message (defaults too): a `done` line with "done": True, an `error`
+    line as {"error": message, "kind": ..., "block": ...}."""
+    reply = json_format.Parse(line, engine_pb2.Reply())
+    which = reply.WhichOneof("reply")
+    body = json_format.MessageToDict(getattr(reply, which), preserving_proto_field_name=True,
+                                     always_print_fields_with_no_presence=True)
+    if which == "done":
+        body["done"] = True
+    if which == "error":
+        body["error"] = body.pop("message")
+    return body
+
+
 def request(path: str, obj: dict | bytes, timeout: float = 600) -> list[dict]:
     """One request; every reply line, parsed."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(timeout)
         s.connect(path)
-        s.sendall(obj if isinstance(obj, bytes) else json.dumps(obj).encode() + b"\n")
+        s.sendall(obj if isinstance(obj, bytes) else wire(obj))
         with s.makefile("rb") as f:
-            return [json.loads(line) for line in f]
+            return [flat(line) for line in f]
 
 
 def stream(path: str, req: dict, on_line) -> None:
     """A generate request whose reply lines go to `on_line` as they arrive."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.connect(path)
-        s.sendall(json.dumps({"op": "generate", **req}).encode() + b"\n")
+        s.sendall(wire({"op": "generate", **req}))
         with s.makefile("rb") as f:
             for line in f:
-                on_line(json.loads(line))
+                on_line(flat(line))
 
 
 class Adapter:
@@ -86,7 +118,8 @@ class Adapter:
                 line = self.proc.stdout.readline()
                 if not line:
                     break
-                return json.loads(line)
+                ready = json_format.Parse(line, engine_pb2.Ready())
+                return json_format.MessageToDict(ready, always_print_fields_with_no_presence=True)
         self.proc.kill()
         raise AssertionError(f"adapter gave no ready line; stderr:\n{self.log()}")
 
@@ -122,7 +155,7 @@ class AdapterTest(unittest.TestCase):
             raise unittest.SkipTest(f"{MODEL} is missing (run scripts/prepare-model.py)")
         cls.tmp = tempfile.TemporaryDirectory(prefix="pdb-adapter-")
         cls.adapter = Adapter(cls.tmp.name)
-        assert cls.adapter.ready == {"ready": True, "socket": cls.adapter.socket}, cls.adapter.ready
+        assert cls.adapter.ready == {"ready": True, "socket": cls.adapter.socket, "error": ""}, cls.adapter.ready
         cls.info = cls.adapter.request({"op": "info"})[0]
         cls.tokens = cls.adapter.request({"op": "tokenize", "messages": MESSAGES})[0]["tokens"]
         cls.native = cls.generate(cls.tokens)
@@ -141,15 +174,14 @@ class AdapterTest(unittest.TestCase):
     @classmethod
     def generate(cls, tokens, blocks=(), **extra) -> tuple[list[dict], dict]:
         lines = cls.adapter.request({"op": "generate", "tokens": tokens, "blocks": list(blocks),
-                                     "max_tokens": MAX_TOKENS, "temperature": 0.0, "top_p": 1.0,
-                                     "seed": None, **extra})
+                                     "max_tokens": MAX_TOKENS, "temperature": 0.0, "top_p": 1.0, **extra})
         if "error" in lines[-1]:
             raise AssertionError(f"generate failed: {lines[-1]}")
         return lines[:-1], lines[-1]
 
     def assert_bad_request(self, lines: list[dict], needle: str):
         self.assertEqual(len(lines), 1, lines)
-        self.assertEqual(lines[0].get("kind"), "bad_request", lines)
+        self.assertEqual(lines[0].get("kind"), "ERROR_KIND_BAD_REQUEST", lines)
         self.assertIn(needle, lines[0]["error"])
 
     # ---------------------------------------------------------------- info
@@ -157,7 +189,7 @@ class AdapterTest(unittest.TestCase):
     def test_info_spec(self):
         spec = self.info["spec"]
         self.assertEqual(spec["architecture"], "LlamaForCausalLM")
-        self.assertEqual(spec["input_dtype"], "F32")
+        self.assertEqual(spec["input_dtype"], "DTYPE_F32")
         self.assertEqual(
             {k: spec[k] for k in ("num_layers", "num_attention_heads", "num_kv_heads", "head_dim",
                                   "hidden_size", "vocab_size", "max_context", "block_tokens")},
@@ -168,12 +200,18 @@ class AdapterTest(unittest.TestCase):
         for i, layer in enumerate(spec["layers"]):
             self.assertEqual(layer, {
                 "index": i, "cache_class": "KVCache",
-                "tensors": [{"name": n, "dtype": "F32", "shape": [1, 3, 1, 64], "token_axis": 2}
+                # uint64 in proto3 JSON: strings
+                "tensors": [{"name": n, "dtype": "DTYPE_F32", "shape": ["1", "3", "1", "64"], "token_axis": 2}
                             for n in ("keys", "values")],
-                "rope": {"kind": "default", "module": "RoPE", "base": 100000.0, "traditional": False, "dims": 64},
-                "window": 0, "keep": 0, "kv_bits": 0, "kv_group_size": 0, "kind": "rows", "unsupported_reason": "",
+                "rope": {"kind": "default", "module": "RoPE", "base": 100000.0, "traditional": False, "dims": 64,
+                         "scaling": {}},
+                "window": 0, "keep": 0, "kv_bits": 0, "kv_group_size": 0, "kind": "CACHE_KIND_ROWS",
+                "unsupported_reason": "",
             })
-        self.assertEqual(self.info["model_id"], spec["model_id"])
+        # What decoded fills in is left to it.
+        self.assertEqual(self.info["model_id"], MODEL.name)
+        self.assertEqual([spec[k] for k in ("model_id", "weights_fingerprint", "tokenizer_fingerprint",
+                                            "spec_fingerprint")], [""] * 4)
         import mlx.core as mx
         import mlx_lm
 
@@ -229,7 +267,7 @@ class AdapterTest(unittest.TestCase):
             self.assertIsInstance(done["timings_ms"][key], float)
         # The streamed deltas spell out exactly the generated ids.
         text = "".join(line["text"] for line in lines) + done.get("text", "")
-        self.assertEqual(text, load_tokenizer().decode([line["token"] for line in lines]))
+        self.assertEqual(text, load_tokenizer().decode([line["id"] for line in lines]))
 
     def test_stop_sequences_end_the_answer_before_them(self):
         lines, done = self.native
@@ -251,7 +289,7 @@ class AdapterTest(unittest.TestCase):
         self.assertEqual(self.export["blocks"], n)
         lines, done = self.generate(self.tokens, self.export["files"])
         self.assertEqual(done["cached_tokens"], n * BLOCK)
-        self.assertEqual([l["token"] for l in lines], [l["token"] for l in self.native[0]])
+        self.assertEqual([l["id"] for l in lines], [l["id"] for l in self.native[0]])
         self.assertEqual([l["text"] for l in lines], [l["text"] for l in self.native[0]])
         self.assertEqual(done["finish_reason"], self.native[1]["finish_reason"])
         sys.stderr.write(f"\nnative {self.native[1]['timings_ms']}\nbridged {done['timings_ms']}\n")
@@ -261,19 +299,19 @@ class AdapterTest(unittest.TestCase):
         native_lines, native_done = self.generate(prompt)
         lines, done = self.generate(prompt, self.export["files"][:5])
         self.assertEqual(done["cached_tokens"], len(prompt) - 1)
-        self.assertEqual([l["token"] for l in lines], [l["token"] for l in native_lines])
+        self.assertEqual([l["id"] for l in lines], [l["id"] for l in native_lines])
         self.assertEqual(done["finish_reason"], native_done["finish_reason"])
 
     def test_seeded_sampling_is_reproducible(self):
         files = self.export["files"]
         runs = [self.generate(self.tokens, files, temperature=0.9, top_p=0.9, seed=7)[0] for _ in range(2)]
-        self.assertEqual([l["token"] for l in runs[0]], [l["token"] for l in runs[1]])
+        self.assertEqual([l["id"] for l in runs[0]], [l["id"] for l in runs[1]])
 
     def test_a_client_that_leaves_cancels_its_generation(self):
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
             s.connect(self.adapter.socket)
-            s.sendall(json.dumps({"op": "generate", "tokens": self.tokens, "blocks": self.export["files"],
-                                  "max_tokens": 2000}).encode() + b"\n")
+            s.sendall(wire({"op": "generate", "tokens": self.tokens, "blocks": self.export["files"],
+                            "max_tokens": 2000}))
             s.makefile("rb").readline()  # the first token: the generation is running
         # Were the model thread still busy with 2000 tokens (~3 min), this would wait.
         t0 = time.monotonic()
@@ -301,7 +339,7 @@ class AdapterTest(unittest.TestCase):
                 for t in layer["tensors"]:
                     name = f"{layer['index']}.{t['name']}"
                     names.add(name)
-                    shape = list(t["shape"])
+                    shape = [int(d) for d in t["shape"]]
                     shape[t["token_axis"]] = BLOCK
                     self.assertEqual(list(arrays[name].shape), shape, name)
                     self.assertEqual(arrays[name].dtype, mx.float32, name)
@@ -371,7 +409,7 @@ class AdapterTest(unittest.TestCase):
 
     def assert_block_unusable(self, lines: list[dict], block: int, needle: str):
         self.assertEqual(len(lines), 1, lines)
-        self.assertEqual((lines[0].get("kind"), lines[0].get("block")), ("block_unusable", block), lines)
+        self.assertEqual((lines[0].get("kind"), lines[0].get("block")), ("ERROR_KIND_BLOCK_UNUSABLE", block), lines)
         self.assertIn(needle, lines[0]["error"])
 
     def test_a_missing_or_rotten_block_is_named_as_unusable(self):
@@ -395,11 +433,9 @@ class AdapterTest(unittest.TestCase):
         cache the adapter exports for that block, bit for bit; malformed inputs are refused."""
         import mlx.core as mx
         import numpy as np
+        from pdbridge_testkit.decoder import decoder_native_cache  # captured from mlx-lm's prefill
 
-        sys.path.insert(0, str(ROOT / "prefilld" / "engine" / "tests"))
-        import support  # the decoder's own layer inputs, captured from mlx-lm's prefill
-
-        _, hidden = support.decoder_native_cache(self.tokens)
+        _, hidden = decoder_native_cache(self.tokens)
         rows = hidden[BLOCK:2 * BLOCK]
         layers = [layer["index"] for layer in self.info["spec"]["layers"]]
         inputs, out = (os.path.join(self.tmp.name, name) for name in ("inputs.safetensors", "cache.safetensors"))
@@ -417,11 +453,13 @@ class AdapterTest(unittest.TestCase):
         mx.save_safetensors(inputs, {f"{i}.input": mx.array(rows[:, i, :]).astype(mx.float16) for i in layers})
         self.assert_bad_request(self.adapter.request({"op": "reconstruct", "inputs": inputs, "offset": 0, "out": out}),
                                 "expected F32")
-        self.assert_bad_request(self.adapter.request({"op": "reconstruct", "inputs": inputs, "out": out}), "offset")
+        self.assert_bad_request(self.adapter.request({"op": "reconstruct", "inputs": inputs, "offset": 0}), "out")
 
     def test_bad_requests(self):
-        self.assert_bad_request(self.adapter.request(b"{not json\n"), "not JSON")
-        self.assert_bad_request(self.adapter.request({"op": "fly"}), "unknown op")
+        self.assert_bad_request(self.adapter.request(b"{not json\n"), "not a pdbridge.engine.v1.Request")
+        self.assert_bad_request(self.adapter.request({"op": "fly"}), "not a pdbridge.engine.v1.Request")
+        self.assert_bad_request(self.adapter.request(b"{}\n"), "names no op")
+        self.assert_bad_request(self.adapter.request({"op": "generate", "tokens": "1, 2"}), "tokens")
         self.assert_bad_request(self.adapter.request({"op": "generate", "tokens": []}), "tokens")
         self.assert_bad_request(self.adapter.request({"op": "generate", "tokens": [1, 10**6]}), "token id")
         self.assert_bad_request(self.adapter.request({"op": "generate", "tokens": [1], "max_tokens": 0}),
@@ -499,9 +537,9 @@ class AdapterTest(unittest.TestCase):
         worker.join(timeout=600)
         self.assertTrue(short_done_while_long_ran, "the short answers waited for the long one")
         long_alone = self.generate(self.tokens, max_tokens=48)
-        self.assertEqual([l["token"] for l in long_lines[:-1]], [l["token"] for l in long_alone[0]])
+        self.assertEqual([l["id"] for l in long_lines[:-1]], [l["id"] for l in long_alone[0]])
         for lines, done in short:
-            self.assertEqual([l["token"] for l in lines], [l["token"] for l in self.native[0][:4]])
+            self.assertEqual([l["id"] for l in lines], [l["id"] for l in self.native[0][:4]])
             self.assertEqual(done["cached_tokens"], (len(self.tokens) // BLOCK) * BLOCK)
 
     def test_answers_of_a_full_batch_equal_those_given_alone(self):
@@ -524,7 +562,7 @@ class AdapterTest(unittest.TestCase):
             self.assertTrue(lines[-1].get("done"), lines[-1])
             self.assertEqual(lines[-1]["completion_tokens"], len(lines) - 1)
         for i in range(3):
-            self.assertEqual([l["token"] for l in results[i][:-1]], [l["token"] for l in alone[i]])
+            self.assertEqual([l["id"] for l in results[i][:-1]], [l["id"] for l in alone[i]])
 
 
 class ToolCallTest(unittest.TestCase):
@@ -661,8 +699,8 @@ class LifecycleTest(unittest.TestCase):
             finally:
                 self.assertEqual(adapter.stop(), 0, adapter.log())
             self.assertEqual([(l["cache_class"], l["window"], l["kind"]) for l in layers],
-                             [("RotatingKVCache", 32, "rows"), ("KVCache", 0, "rows")])
-            self.assertEqual(layers[0]["tensors"][0]["shape"], [1, 2, 1, 16])
+                             [("RotatingKVCache", 32, "CACHE_KIND_ROWS"), ("KVCache", 0, "CACHE_KIND_ROWS")])
+            self.assertEqual(layers[0]["tensors"][0]["shape"], ["1", "2", "1", "16"])
 
             adapter = Adapter(tmp, model=model_dir, extra=("--kv-bits", "4"), socket_name="kv4.sock")
             self.assertEqual(adapter.stop(signal_it=False), 1)

@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import sys
 import unittest
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from pdbridge_mlx.generation import StopText  # noqa: E402
+from pdbridge_mlx.generation import StopText
 
 
 def run(stops: list[str], pieces: list[str]) -> tuple[list[str], bool, str]:

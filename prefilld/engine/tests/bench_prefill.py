@@ -17,7 +17,8 @@ import tempfile
 import time
 from pathlib import Path
 
-import support
+from pdbridge_testkit.decoder import decoder_bundle
+from pdbridge_testkit.prefill import Receiver, VllmServer, prompt_tokens
 
 B = 128
 
@@ -28,14 +29,14 @@ def main():
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="pdb-bench-"))
-    bundle, sha = support.decoder_bundle(tmp)
-    rx = support.Receiver(tmp / "plugin.sock")
-    prompts = {n: support.prompt_tokens(n) for n in args.tokens}
+    bundle, sha = decoder_bundle(tmp)
+    rx = Receiver(tmp / "plugin.sock")
+    prompts = {n: prompt_tokens(n) for n in args.tokens}
     configs = [(f"plugin {'on' if plugin else 'off'}, budget {budget}", plugin, budget)
                for budget in (4096, 256) for plugin in (False, True)]
     rows, seq = [], 0
     for label, plugin, budget in configs:
-        srv = support.VllmServer(tmp / f"vllm-{len(rows)}.log", plugin=plugin,
+        srv = VllmServer(tmp / f"vllm-{len(rows)}.log", plugin=plugin,
                                  extra_args=["--max-num-batched-tokens", str(budget)])
         start_s = srv.start()
         try:

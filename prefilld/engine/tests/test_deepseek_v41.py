@@ -6,19 +6,16 @@ that is not whole prompts is refused."""
 from __future__ import annotations
 
 import json
-import sys
 import unittest
 from pathlib import Path
 
+import mlx.core as mx
+import numpy as np
+import torch
+
+from pdbridge_vllm import deepseek_v41
+
 REPO = Path(__file__).resolve().parents[3]
-sys.path.insert(0, str(REPO / "prefilld" / "engine"))
-sys.path.insert(0, str(REPO / "decoded" / "engine"))
-
-import mlx.core as mx  # noqa: E402
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-from pdbridge_vllm import deepseek_v41  # noqa: E402
 
 MODEL = REPO / "models" / "tiny-deepseek_v41-mlx"
 

