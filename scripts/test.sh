@@ -39,6 +39,7 @@ py_suite() { .venv/bin/python -m unittest discover "$@"; }
 fast() {
   cargo nextest run --workspace --locked --no-fail-fast -E 'not binary(engines)' "$@"
   py_suite -s common/engine/tests
+  py_suite -s decoded/engine/tests -p 'test_golden.py'
   py_suite -s decoded/engine/tests -p 'test_stop_text.py'
 }
 

@@ -286,16 +286,19 @@ impl Drop for SmallDisk {
 
 #[tokio::test]
 async fn a_full_disk_refuses_blocks_cleanly_then_evicts_to_make_room() {
+    // Blocks of 512 KiB (the fixed spec's 256 B a token): the store wants 1 MiB of headroom beyond
+    // a block, so making room evicts several.
+    const DISK_BLOCK_TOKENS: u32 = 2048;
     let scratch = Scratch::new("diskfull");
     // The store is the small disk itself; the spec and its bundle sit beside it.
     let disk = SmallDisk::mount(scratch.0.join("store"), 4 << 20);
     let store = disk.0.clone();
-    let config = fixed_spec_config(&scratch.0.join("spec"), &store, BLOCK_TOKENS, "");
+    let config = fixed_spec_config(&scratch.0.join("spec"), &store, DISK_BLOCK_TOKENS, "");
     let decoded = Daemon::start("decoded", &config).await;
     decoded.wait_ready(Duration::from_secs(300)).await;
     let mut client = CacheStoreClient::new(decoded.channel().await).max_decoding_message_size(64 << 20);
     let spec = client.get_spec(GetSpecRequest {}).await.unwrap().into_inner();
-    let tokens: Vec<u32> = (300..300 + 4 * BLOCK_TOKENS).collect();
+    let tokens: Vec<u32> = (300..300 + 4 * DISK_BLOCK_TOKENS).collect();
     let open = |first_block| PushOpen {
         request_id: "disk".into(),
         spec_fingerprint: spec.spec_fingerprint.clone(),
@@ -304,7 +307,7 @@ async fn a_full_disk_refuses_blocks_cleanly_then_evicts_to_make_room() {
         tail_tokens: 0,
         ..Default::default()
     };
-    let block_bytes: u64 = spec::bytes_per_token(&spec) * BLOCK_TOKENS as u64;
+    let block_bytes: u64 = spec::bytes_per_token(&spec) * DISK_BLOCK_TOKENS as u64;
 
     // No room and nothing to evict: RESOURCE_EXHAUSTED, nothing stored, nothing left behind.
     disk.fill_to(block_bytes / 2);

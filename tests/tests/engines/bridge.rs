@@ -7,60 +7,12 @@ use std::time::Duration;
 use pdbridge_tests::{Daemon, Engines, Pki, Reserved, Scratch, binary, license_text, workspace_root};
 use serde_json::{Value, json};
 
+use crate::answers::{Answer, chat, chat_at, chat_url, user};
+
 /// Small blocks keep the prompts (and the decoder's slow CPU prefill) short.
 const BLOCK_TOKENS: u64 = 32;
 /// The decoder's own cache for this model: 30 layers × (K + V) × 3 heads × 64 × fp32.
 const CACHE_BYTES_PER_TOKEN: f64 = 46_080.0;
-
-pub(crate) struct Answer {
-    pub status: u16,
-    pub verdict: Value,
-    pub body: Value,
-}
-
-impl Answer {
-    pub fn text(&self) -> &str {
-        self.body["choices"][0]["message"]["content"].as_str().unwrap_or_default()
-    }
-    pub fn cached_tokens(&self) -> u64 {
-        self.body["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().expect("usage.cached_tokens")
-    }
-    pub fn prompt_tokens(&self) -> u64 {
-        self.body["usage"]["prompt_tokens"].as_u64().expect("usage.prompt_tokens")
-    }
-}
-
-pub(crate) fn chat_url(decoded: &Daemon) -> String {
-    format!("http://{}/v1/chat/completions", decoded.front.expect("front door"))
-}
-
-pub(crate) async fn chat(decoded: &Daemon, messages: &Value, mode: &str) -> Answer {
-    chat_at(&chat_url(decoded), messages, mode).await
-}
-
-/// [`chat`] by URL, for a task that does not hold the daemon.
-pub(crate) async fn chat_at(url: &str, messages: &Value, mode: &str) -> Answer {
-    let body = json!({"messages": messages, "max_tokens": 8, "temperature": 0});
-    let response = reqwest::Client::new()
-        .post(url)
-        .header("x-pd-bridge-mode", mode)
-        .json(&body)
-        .send()
-        .await
-        .expect("front door answers");
-    let status = response.status().as_u16();
-    let verdict = response
-        .headers()
-        .get("x-pd-bridge")
-        .map(|v| serde_json::from_str(v.to_str().unwrap()).expect("verdict is JSON"))
-        .unwrap_or(Value::Null);
-    let body = response.json().await.unwrap_or(Value::Null);
-    Answer { status, verdict, body }
-}
-
-pub(crate) fn user(text: &str) -> Value {
-    json!([{"role": "user", "content": text}])
-}
 
 #[tokio::test]
 async fn bridged_answers_on_real_engines() {

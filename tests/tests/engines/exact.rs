@@ -5,11 +5,11 @@
 
 use std::{collections::BTreeMap, path::Path};
 
-use pdbridge_tests::{Scratch, license_text};
+use pdbridge_tests::Scratch;
 use safetensors::SafeTensors;
 
 use crate::{
-    bridge::{chat, user},
+    answers::{chat, native_text, shared_prompt},
     topology::one_prefiller_and_decoders,
 };
 
@@ -55,7 +55,7 @@ async fn a_decoder_computing_its_own_cache_stores_the_same_bytes_and_answers_nat
     let (_prefilld, started) = one_prefiller_and_decoders(&scratch, &modes).await;
 
     // One after the other: the same prompt, the same prefill, the same layer inputs.
-    let prompt = user(&license_text()[..1500]);
+    let prompt = shared_prompt();
     let mut answers = Vec::new();
     for (decoded, _) in &started {
         let answer = chat(decoded, &prompt, "auto").await;
@@ -74,8 +74,7 @@ async fn a_decoder_computing_its_own_cache_stores_the_same_bytes_and_answers_nat
     let (computed_here, computed_there) = (blocks_in(exact_store), blocks_in(&started[0].1));
     assert_eq!(computed_here.len() as u64, blocks);
     assert!(computed_here == computed_there, "the decoder's blocks differ from prefilld's");
-    let native = chat(exact, &prompt, "native").await;
-    assert_eq!(native.cached_tokens(), 0);
-    assert_eq!(answers[1].text(), native.text(), "the decoder's own cache answers otherwise than native");
-    assert_eq!(answers[0].text(), native.text());
+    let native = native_text(exact, &prompt).await;
+    assert_eq!(answers[1].text(), native, "the decoder's own cache answers otherwise than native");
+    assert_eq!(answers[0].text(), native);
 }

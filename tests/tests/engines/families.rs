@@ -1,10 +1,11 @@
-//! Model families other than the test model, end to end on the real engines: the decoder's own
-//! mlx-lm modules reconstruct caches with rope scaling, q/k norms, 8-bit weights, a quantized KV
-//! cache, sliding windows (Gemma 3, whose vLLM class gets its capture hooks from the plugin) and
-//! a latent cache (DeepSeek-V3 MLA, vLLM in bf16), a window and pools (DeepSeek-V4.1, on the plugin's
-//! own vLLM class), recurrent states (Qwen3-Next's gated delta-net,
-//! vLLM in bf16; a follow-up turn restores a stored state), and a cache class without a codec is
-//! refused at the handshake with its reason.
+//! Model families other than the test model, end to end on the real engines, one per cache kind
+//! and capture route beyond the test model's (the codec's own suite holds every family's
+//! reconstruction to the decoder's, tensor by tensor): sliding windows (Gemma 3, whose vLLM class
+//! gets its capture hooks from the plugin), a latent cache (DeepSeek-V3 MLA, vLLM in bf16),
+//! recurrent states (Qwen3-Next's gated delta-net, vLLM in bf16; a follow-up turn restores a
+//! stored state), a window and pools (DeepSeek-V4.1, on the plugin's own vLLM class); and a cache
+//! class without a codec is refused at the handshake with its reason. A quantized KV cache
+//! (Llama 3.1, rope scaling) is bridged under tensor parallelism (`topology`).
 
 use std::time::Duration;
 
@@ -13,7 +14,7 @@ use pdbridge_common::proto::{
 };
 use pdbridge_tests::{Daemon, Engines, Reserved, Scratch, decoders, fixed_spec_config, license_text};
 
-use crate::bridge::{chat, user};
+use crate::answers::{chat, user};
 
 const BLOCK_TOKENS: u32 = 64;
 
@@ -83,26 +84,18 @@ async fn bridges_as_the_decoder_answers(
 #[tokio::test]
 async fn generated_families_bridge_as_their_decoder_answers() {
     let scratch = Scratch::new("families");
-    // Llama 3.1 rope scaling, the decoder keeping a 4-bit quantized KV cache.
-    let mut prefilld =
-        bridges_as_the_decoder_answers("llama3", "kv_bits = 4\nkv_group_size = 32", &scratch, None).await;
-    prefilld.terminate();
-    prefilld.wait(Duration::from_secs(120)).await;
-    // Gemma 3: sliding-window layers (RotatingKVCache) beside a global one, (1+w) norms.
+    // Gemma 3: sliding-window layers (RotatingKVCache) beside a global one, (1+w) norms; vLLM's
+    // class gets its capture from the plugin's hooks.
     let mut prefilld = bridges_as_the_decoder_answers("gemma3", "", &scratch, None).await;
-    prefilld.terminate();
-    prefilld.wait(Duration::from_secs(120)).await;
-    // DeepSeek-V3: multi-head latent attention, MoE; vLLM in bf16, the decoder in fp32.
-    let mut prefilld = bridges_as_the_decoder_answers("deepseek_v3", "", &scratch, None).await;
     prefilld.terminate();
     prefilld.wait(Duration::from_secs(120)).await;
     // Qwen3-Next: three gated delta-net layers (a recurrent state each) and a full-attention one.
     let mut prefilld = bridges_as_the_decoder_answers("qwen3_next", "", &scratch, None).await;
     prefilld.terminate();
     prefilld.wait(Duration::from_secs(120)).await;
-    // Qwen3's per-head q/k norms, 8-bit weights.
+    // DeepSeek-V3: multi-head latent attention, MoE; vLLM in bf16, the decoder in fp32.
     let listed_port = Reserved::new();
-    let prefilld = bridges_as_the_decoder_answers("qwen3", "", &scratch, Some(&listed_port)).await;
+    let prefilld = bridges_as_the_decoder_answers("deepseek_v3", "", &scratch, Some(&listed_port)).await;
 
     // A decoder whose layer 1 keeps a list of caches (no codec): prefilld refuses at the
     // handshake, naming the layer and why, and bridges nothing.
@@ -111,7 +104,7 @@ async fn generated_families_bridge_as_their_decoder_answers() {
     let mut info: serde_json::Value = serde_json::from_slice(&std::fs::read(&spec_file).unwrap()).unwrap();
     let layer = &mut info["spec"]["layers"][1];
     layer["cache_class"] = "CacheList".into();
-    layer["kind"] = "unsupported".into();
+    layer["kind"] = "CACHE_KIND_UNSUPPORTED".into();
     layer["tensors"] = serde_json::json!([]);
     layer["unsupported_reason"] = "CacheList: a list of sub-caches per layer".into();
     std::fs::write(&spec_file, info.to_string()).unwrap();

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use pdbridge_tests::{Daemon, Engines, Reserved, Scratch, decoders, license_text};
 
-use crate::bridge::{chat, chat_at, chat_url, user};
+use crate::answers::{chat, chat_at, chat_url, native_text, shared_prompt, user};
 
 const BLOCK_TOKENS: u32 = 64;
 
@@ -17,7 +17,10 @@ async fn bridges_spread_over_prefillers_and_survive_one_dying_mid_bridge() {
     let engines = Engines::locate();
     let port = Reserved::new();
     let decoder = decoders(&[format!("http://{}", port.addr())]);
-    let a = Daemon::start("prefilld", &engines.prefilld_config(&scratch.0.join("a"), &decoder)).await;
+    // prefill-a sends over an emulated slow link (a block of the test model in ~2 s), so it is
+    // still mid-bridge when it is killed below, however fast this machine prefills.
+    let slow_link = format!("{decoder}[stream]\nlink_gbps = 0.01\n");
+    let a = Daemon::start("prefilld", &engines.prefilld_config(&scratch.0.join("a"), &slow_link)).await;
     let b = Daemon::start("prefilld", &engines.prefilld_config(&scratch.0.join("b"), &decoder)).await;
     let front = format!(
         "[front]\nlisten = \"127.0.0.1:0\"\nmin_bridge_tokens = {BLOCK_TOKENS}\n\
@@ -32,8 +35,8 @@ async fn bridges_spread_over_prefillers_and_survive_one_dying_mid_bridge() {
     b.wait_ready(Duration::from_secs(900)).await;
     let license = license_text();
 
-    // Two bridges at once: one on each prefilld.
-    let (first, second) = (user(&license[..1500]), user(&license[1500..3000]));
+    // Two bridges at once: one on each prefilld (prompts that share no block with the one below).
+    let (first, second) = (user(&license[3000..4500]), user(&license[4500..6000]));
     let (one, two) = tokio::join!(chat(&decoded, &first, "auto"), chat(&decoded, &second, "auto"));
     let mut used: Vec<String> = [&one, &two]
         .iter()
@@ -47,8 +50,9 @@ async fn bridges_spread_over_prefillers_and_survive_one_dying_mid_bridge() {
     let skipped: Vec<&str> = log.lines().filter(|line| line.contains("prefilld skipped")).collect();
     assert_eq!(used, ["prefill-a", "prefill-b"], "{} / {}; {skipped:?}", one.verdict, two.verdict);
 
-    // A long prompt goes to prefill-a (both idle: the first listed); it dies once blocks landed.
-    let long = user(&license[3000..]);
+    // A prompt of several blocks goes to prefill-a (both idle: the first listed); it dies once
+    // blocks landed.
+    let long = shared_prompt();
     let committed = decoded.metric("pdbridge_store_blocks").await.unwrap_or(0.0);
     let asked = tokio::spawn({
         let (url, messages) = (chat_url(&decoded), long.clone());
@@ -72,7 +76,7 @@ async fn bridges_spread_over_prefillers_and_survive_one_dying_mid_bridge() {
     assert_eq!(answer.cached_tokens(), answer.prompt_tokens() - 1, "{verdict}");
     let whole = answer.prompt_tokens() / u64::from(BLOCK_TOKENS);
     assert_eq!(verdict["blocks"].as_u64(), Some(whole), "every block counted once: {verdict}");
-    assert_eq!(answer.text(), chat(&decoded, &long, "native").await.text(), "the answer after a failover differs");
+    assert_eq!(answer.text(), native_text(&decoded, &long).await, "the answer after a failover differs");
 }
 
 /// One prefilld and a decoded per entry of `decoders` (its block size and extra `[front]` keys),
@@ -109,26 +113,28 @@ pub(crate) async fn one_prefiller_and_decoders(
 async fn one_prefiller_serves_two_decoders_at_once_each_into_its_own_store() {
     let scratch = Scratch::new("two-decoders");
     let (_prefilld, started) = one_prefiller_and_decoders(&scratch, &[(64, ""), (32, "")]).await;
-    let license = license_text();
-    let prompts = [user(&license[..1500]), user(&license[1500..3000])];
-
-    let (one, two) = tokio::join!(chat(&started[0].0, &prompts[0], "auto"), chat(&started[1].0, &prompts[1], "auto"));
-    for (((decoded, _), block_tokens), (answer, prompt)) in
-        started.iter().zip([64, 32]).zip([(&one, &prompts[0]), (&two, &prompts[1])])
-    {
+    // The same prompt for both at once: two prefills of the same tokens, each for its own spec.
+    let prompt = shared_prompt();
+    let (one, two) = tokio::join!(chat(&started[0].0, &prompt, "auto"), chat(&started[1].0, &prompt, "auto"));
+    for (((decoded, _), block_tokens), answer) in started.iter().zip([64, 32]).zip([&one, &two]) {
         assert_eq!(answer.verdict["outcome"], "bridged", "{}", answer.verdict);
         assert_eq!(answer.verdict["block_tokens"].as_u64(), Some(block_tokens), "{}", answer.verdict);
         assert_eq!(answer.cached_tokens(), answer.prompt_tokens() - 1, "{}", answer.verdict);
-        // Its own prompt's whole blocks and nothing of the other decoder's.
+        // Its own spec's whole blocks and nothing of the other decoder's.
         let stored = decoded.metric("pdbridge_store_blocks").await;
         assert_eq!(stored, Some((answer.prompt_tokens() / block_tokens) as f64), "{}", answer.verdict);
-        assert_eq!(answer.text(), chat(decoded, prompt, "native").await.text(), "bridged and native differ");
+        assert_eq!(answer.text(), native_text(decoded, &prompt).await, "bridged and native differ");
     }
 }
 
 /// vLLM spread over two processes as `engine_keys` say bridges a cold prompt, every block once, as
-/// the decoder answers natively.
-async fn parallel_prefill_bridges_as_the_decoder_answers(name: &str, engines: Engines, engine_keys: &str) {
+/// the decoder (its `[engine]` given `decoder_keys`) answers natively.
+async fn parallel_prefill_bridges_as_the_decoder_answers(
+    name: &str,
+    engines: Engines,
+    engine_keys: &str,
+    decoder_keys: &str,
+) {
     let scratch = Scratch::new(name);
     let port = Reserved::new();
     let config = engines.prefilld_config_parallel(
@@ -138,7 +144,7 @@ async fn parallel_prefill_bridges_as_the_decoder_answers(name: &str, engines: En
     );
     let prefilld = Daemon::start("prefilld", &config).await;
     let front = format!(
-        "[front]\nlisten = \"127.0.0.1:0\"\nprefilld = \"http://{}\"\nmin_bridge_tokens = {BLOCK_TOKENS}\n",
+        "{decoder_keys}\n[front]\nlisten = \"127.0.0.1:0\"\nprefilld = \"http://{}\"\nmin_bridge_tokens = {BLOCK_TOKENS}\n",
         prefilld.grpc
     );
     let config = engines.decoded_config(&scratch.0.join("store"), BLOCK_TOKENS, &front);
@@ -146,7 +152,7 @@ async fn parallel_prefill_bridges_as_the_decoder_answers(name: &str, engines: En
     decoded.wait_ready(Duration::from_secs(300)).await;
     prefilld.wait_ready(Duration::from_secs(900)).await;
 
-    let prompt = user(&license_text()[..2400]);
+    let prompt = shared_prompt();
     let bridged = chat(&decoded, &prompt, "auto").await;
     if bridged.verdict["outcome"] != "bridged" {
         panic!("not bridged: {}\nprefilld's log:\n{}", bridged.verdict, prefilld.log_text());
@@ -154,17 +160,18 @@ async fn parallel_prefill_bridges_as_the_decoder_answers(name: &str, engines: En
     assert_eq!(bridged.cached_tokens(), bridged.prompt_tokens() - 1, "{}", bridged.verdict);
     let whole = bridged.prompt_tokens() / u64::from(BLOCK_TOKENS);
     assert_eq!(bridged.verdict["blocks"].as_u64(), Some(whole), "each block once: {}", bridged.verdict);
-    assert_eq!(bridged.text(), chat(&decoded, &prompt, "native").await.text(), "bridged and native differ");
+    assert_eq!(bridged.text(), native_text(&decoded, &prompt).await, "bridged and native differ");
 }
 
 /// Tensor parallelism: every rank holds the whole residual stream after its all-reduce, so rank 0
-/// alone reconstructs and streams.
+/// alone reconstructs and streams. The decoder keeps a 4-bit quantized KV cache of Llama 3.1 (rope
+/// scaling).
 #[tokio::test]
 async fn tensor_parallel_prefill_bridges_as_the_decoder_answers() {
     // The test model's 9 attention heads do not split over two ranks; the generated Llama 3's 4 do.
     let engines = Engines::family("llama3");
-    parallel_prefill_bridges_as_the_decoder_answers("tp2", engines, r#"extra_args = ["--tensor-parallel-size", "2"]"#)
-        .await;
+    let tp2 = r#"extra_args = ["--tensor-parallel-size", "2"]"#;
+    parallel_prefill_bridges_as_the_decoder_answers("tp2", engines, tp2, "kv_bits = 4\nkv_group_size = 32").await;
 }
 
 /// Pipeline parallelism: each stage captures its own layers and sends its part of every block;
@@ -172,5 +179,5 @@ async fn tensor_parallel_prefill_bridges_as_the_decoder_answers() {
 /// layers or more, the generated Llama 3 has two in all.
 #[tokio::test]
 async fn pipeline_parallel_prefill_bridges_as_the_decoder_answers() {
-    parallel_prefill_bridges_as_the_decoder_answers("pp2", Engines::locate(), "pipeline_parallel_size = 2").await;
+    parallel_prefill_bridges_as_the_decoder_answers("pp2", Engines::locate(), "pipeline_parallel_size = 2", "").await;
 }
