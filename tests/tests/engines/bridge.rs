@@ -14,341 +14,411 @@ const BLOCK_TOKENS: u64 = 32;
 /// The decoder's own cache for this model: 30 layers × (K + V) × 3 heads × 64 × fp32.
 const CACHE_BYTES_PER_TOKEN: f64 = 46_080.0;
 
-#[tokio::test]
-async fn bridged_answers_on_real_engines() {
-    let engines = Engines::locate();
-    let scratch = Scratch::new("bridge");
-    let license = license_text();
-    let paragraphs: Vec<&str> = license.split("\n\n").collect();
+/// One deployment as an operator runs it (mutual TLS both ways; prefilld pushes only to the
+/// decoders in its config: this one, and the hasty one of `a_link_too_slow_times_out`), which
+/// every step of the scenario below uses in turn.
+struct Rig {
+    engines: Engines,
+    scratch: Scratch,
+    pki: Pki,
+    prefilld: Daemon,
+    decoded: Daemon,
+    decoded_config: String,
+    store: std::path::PathBuf,
+    front: String,
+    hasty_port: Option<Reserved>,
+    paragraphs: Vec<String>,
+}
 
-    // Both daemons speak mutual TLS, each letting only the other's identity in; prefilld pushes
-    // only to the decoders in its config (this one, and a second one for 5c).
-    let pki = Pki::new(&["prefill-1", "mac-1"]).await;
-    let (decoder_port, hasty_port) = (Reserved::new(), Reserved::new());
-    let prefilld_extra: String = [decoder_port.addr(), hasty_port.addr()]
-        .iter()
-        .map(|addr| format!("[[decoders]]\naddr = \"https://{addr}\"\nname = \"mac-1\"\n"))
-        .chain([pki.section("prefill-1", &["mac-1"])])
-        .collect();
-    let mut prefilld =
-        Daemon::start("prefilld", &engines.prefilld_config(&scratch.0.join("prefilld"), &prefilld_extra)).await;
-    let front = format!(
-        "[front]\nlisten = \"127.0.0.1:0\"\nprefilld = \"https://{}\"\nprefilld_name = \"prefill-1\"\n\
-         min_bridge_tokens = {BLOCK_TOKENS}\n{}",
-        prefilld.grpc,
-        pki.section("mac-1", &["prefill-1"]),
-    );
-    let store = scratch.0.join("store");
-    let decoded_config = decoder_port.release_into(&engines.decoded_config(&store, BLOCK_TOKENS as u32, &front));
-    let mut decoded = Daemon::start("decoded", &decoded_config).await;
-    decoded.wait_ready(Duration::from_secs(300)).await;
-    // prefilld is ready once vLLM is up and it has met its first decoder over mutual TLS.
-    prefilld.wait_ready(Duration::from_secs(900)).await;
+/// What a step leaves for later ones: a prompt and its answer.
+struct Asked {
+    messages: Value,
+    answer: Answer,
+}
 
-    // 1. A cold prompt is bridged: the store covers every whole block.
-    let first_prompt = format!("{}\n\nWhat is this text?", paragraphs[..3].join("\n\n"));
-    let first = user(&first_prompt);
-    let bridged = chat(&decoded, &first, "auto").await;
-    assert_eq!(bridged.status, 200, "{:?}", bridged.body);
-    let v = &bridged.verdict;
-    assert_eq!(v["outcome"], "bridged", "{v}");
-    let prompt_tokens = bridged.prompt_tokens();
-    // The whole blocks and the tail after them came over the bridge: the decoder computed one
-    // token of the prompt itself.
-    assert_eq!(bridged.cached_tokens(), prompt_tokens - 1, "{v}");
-    assert_eq!(v["cached_tokens"].as_u64(), Some(bridged.cached_tokens()), "header and usage agree");
-    let blocks = v["blocks"].as_u64().unwrap();
-    assert_eq!(blocks, prompt_tokens / BLOCK_TOKENS);
-    let tail = v["tail_tokens"].as_u64().unwrap();
-    assert_eq!(tail, prompt_tokens - 1 - blocks * BLOCK_TOKENS, "{v}");
-    assert!(tail > 0, "this prompt ends mid-block: {v}");
-    let per_token = v["bytes"].as_f64().unwrap() / (blocks * BLOCK_TOKENS + tail) as f64;
-    assert!((per_token / CACHE_BYTES_PER_TOKEN - 1.0).abs() < 0.01, "payload {per_token} B/token");
-    // Striped over prefilld's two connections (stream.connections = 2): decoded finished two
-    // Push streams, each with some of the blocks.
-    let pushed: Vec<u64> =
-        logged(&decoded, "push done", 2).await.iter().filter_map(|fields| fields["blocks"].as_u64()).collect();
-    assert_eq!(pushed.len(), 2, "{pushed:?}");
-    assert_eq!(pushed.iter().sum::<u64>(), blocks, "{pushed:?}");
-    assert!(blocks < 2 || pushed.iter().all(|&n| n > 0), "{pushed:?}");
+impl Rig {
+    async fn start() -> Rig {
+        let engines = Engines::locate();
+        let scratch = Scratch::new("bridge");
+        let pki = Pki::new(&["prefill-1", "mac-1"]).await;
+        let (decoder_port, hasty_port) = (Reserved::new(), Reserved::new());
+        let prefilld_extra: String = [decoder_port.addr(), hasty_port.addr()]
+            .iter()
+            .map(|addr| format!("[[decoders]]\naddr = \"https://{addr}\"\nname = \"mac-1\"\n"))
+            .chain([pki.section("prefill-1", &["mac-1"])])
+            .collect();
+        let prefilld =
+            Daemon::start("prefilld", &engines.prefilld_config(&scratch.0.join("prefilld"), &prefilld_extra)).await;
+        let front = format!(
+            "[front]\nlisten = \"127.0.0.1:0\"\nprefilld = \"https://{}\"\nprefilld_name = \"prefill-1\"\n\
+             min_bridge_tokens = {BLOCK_TOKENS}\n{}",
+            prefilld.grpc,
+            pki.section("mac-1", &["prefill-1"]),
+        );
+        let store = scratch.0.join("store");
+        let decoded_config = decoder_port.release_into(&engines.decoded_config(&store, BLOCK_TOKENS as u32, &front));
+        let decoded = Daemon::start("decoded", &decoded_config).await;
+        decoded.wait_ready(Duration::from_secs(300)).await;
+        // prefilld is ready once vLLM is up and it has met its first decoder over mutual TLS.
+        prefilld.wait_ready(Duration::from_secs(900)).await;
+        let paragraphs = license_text().split("\n\n").map(str::to_owned).collect();
+        Rig {
+            engines,
+            scratch,
+            pki,
+            prefilld,
+            decoded,
+            decoded_config,
+            store,
+            front,
+            hasty_port: Some(hasty_port),
+            paragraphs,
+        }
+    }
 
-    // 2. The same prompt served natively gives the same greedy answer.
-    let native = chat(&decoded, &first, "native").await;
-    assert_eq!(native.verdict["outcome"], "native");
-    assert_eq!(native.verdict["reason"], "requested");
-    assert_eq!(native.cached_tokens(), 0, "a native answer restores nothing");
-    assert_eq!(native.text(), bridged.text(), "bridged and native greedy answers differ");
+    /// Paragraphs `range` of the license and a question, as one user message.
+    fn ask(&self, range: std::ops::Range<usize>, question: &str) -> Value {
+        user(&format!("{}\n\n{question}", self.paragraphs[range].join("\n\n")))
+    }
 
-    // The Grafana dashboard only queries metrics the daemons really publish.
-    dashboard_metrics_exist(&decoded, &prefilld).await;
+    /// The CLI's TLS flags: the decoder's host with its certificate.
+    fn cli_tls(&self) -> Vec<String> {
+        vec![
+            format!("--ca={}", self.pki.dir.join("ca.pem").display()),
+            format!("--cert={}", self.pki.dir.join("mac-1.pem").display()),
+            format!("--key={}", self.pki.dir.join("mac-1.key").display()),
+            "--decoded-name=mac-1".to_owned(),
+            "--prefilld-name=prefill-1".to_owned(),
+        ]
+    }
 
-    // `pdbridge doctor` passes on this deployment, run on the decoder's host with its certificate.
-    let cli_tls = [
-        format!("--ca={}", pki.dir.join("ca.pem").display()),
-        format!("--cert={}", pki.dir.join("mac-1.pem").display()),
-        format!("--key={}", pki.dir.join("mac-1.key").display()),
-        "--decoded-name=mac-1".to_owned(),
-        "--prefilld-name=prefill-1".to_owned(),
-    ];
-    let doctor_args = |decoded: &Daemon, prefilld: &Daemon| {
+    fn doctor_args(&self) -> Vec<String> {
         let mut args = vec![
             "doctor".to_owned(),
-            format!("--decoded={}", decoded.grpc_uri()),
-            format!("--decoded-admin=http://{}", decoded.admin),
-            format!("--prefilld={}", prefilld.grpc_uri()),
-            format!("--prefilld-admin=http://{}", prefilld.admin),
+            format!("--decoded={}", self.decoded.grpc_uri()),
+            format!("--decoded-admin=http://{}", self.decoded.admin),
+            format!("--prefilld={}", self.prefilld.grpc_uri()),
+            format!("--prefilld-admin=http://{}", self.prefilld.admin),
         ];
-        args.extend(cli_tls.iter().cloned());
+        args.extend(self.cli_tls());
         args
-    };
-    let (status, out) = run_cli(&doctor_args(&decoded, &prefilld)).await;
-    assert!(status.success(), "doctor failed:\n{out}");
-    assert!(out.contains("PASS  test bridge") && out.contains("all checks passed"), "{out}");
-    assert!(out.contains("PASS  certificate: mac-1, signed by the CA"), "{out}");
+    }
+}
 
-    // `pdbridge warm` bridges a document; a chat about it then finds it cached.
-    let document = paragraphs[8..11].join("\n\n");
-    let doc_file = scratch.0.join("doc.txt");
-    std::fs::write(&doc_file, &document).unwrap();
-    let mut warm_args = vec![
-        "warm".to_owned(),
-        format!("--file={}", doc_file.display()),
-        format!("--front=http://{}", decoded.front.unwrap()),
-        format!("--prefilld={}", prefilld.grpc_uri()),
-    ];
-    warm_args.extend(cli_tls.iter().cloned());
-    let (status, out) = run_cli(&warm_args).await;
-    assert!(status.success() && out.contains("warm: bridged"), "warm failed:\n{out}");
-    let warmed = chat(&decoded, &user(&document), "auto").await;
-    assert_eq!(warmed.verdict["outcome"], "cached", "{}", warmed.verdict);
+#[tokio::test]
+async fn bridged_answers_on_real_engines() {
+    let mut rig = Rig::start().await;
+    let first = rig.a_cold_prompt_is_bridged_as_native_answers().await;
+    rig.the_dashboard_doctor_and_warm_work_on_it().await;
+    let second = rig.a_longer_conversation_bridges_only_its_new_blocks(&first).await;
+    rig.twins_share_one_prefill().await;
+    rig.sixteen_at_once_stay_within_bounded_memory(&first).await;
+    rig.a_restarted_decoder_serves_every_committed_block(&second).await;
+    rig.a_rotten_block_is_quarantined_and_bridged_again(&first).await;
+    rig.a_link_too_slow_times_out(&first).await;
+    rig.a_vllm_crash_mid_prefill_is_told_and_survived().await;
+    rig.a_prefilld_killed_mid_bridge_leaves_what_landed().await;
+    rig.bad_requests_get_400s_and_leave_the_store(&first).await;
+}
 
-    // 3. Extending the conversation bridges only the new blocks.
-    let extended = json!([
-        {"role": "user", "content": first_prompt},
-        {"role": "assistant", "content": bridged.text()},
-        {"role": "user", "content": format!("{}\n\nAnd this part?", paragraphs[3..5].join("\n\n"))},
-    ]);
-    let second = chat(&decoded, &extended, "auto").await;
-    assert_eq!(second.status, 200, "{:?}", second.body);
-    assert_eq!(second.verdict["outcome"], "bridged", "{}", second.verdict);
-    let second_blocks = second.prompt_tokens() / BLOCK_TOKENS;
-    assert_eq!(second.verdict["blocks"].as_u64(), Some(second_blocks - blocks), "only the new blocks travel");
+impl Rig {
+    /// A cold prompt is bridged: the store covers every whole block and the tail, striped over
+    /// prefilld's two connections; the native answer is the same.
+    async fn a_cold_prompt_is_bridged_as_native_answers(&self) -> Asked {
+        let messages = self.ask(0..3, "What is this text?");
+        let bridged = chat(&self.decoded, &messages, "auto").await;
+        assert_eq!(bridged.status, 200, "{:?}", bridged.body);
+        let v = &bridged.verdict;
+        assert_eq!(v["outcome"], "bridged", "{v}");
+        let prompt_tokens = bridged.prompt_tokens();
+        // The whole blocks and the tail after them came over the bridge: the decoder computed one
+        // token of the prompt itself.
+        assert_eq!(bridged.cached_tokens(), prompt_tokens - 1, "{v}");
+        assert_eq!(v["cached_tokens"].as_u64(), Some(bridged.cached_tokens()), "header and usage agree");
+        let blocks = v["blocks"].as_u64().unwrap();
+        assert_eq!(blocks, prompt_tokens / BLOCK_TOKENS);
+        let tail = v["tail_tokens"].as_u64().unwrap();
+        assert_eq!(tail, prompt_tokens - 1 - blocks * BLOCK_TOKENS, "{v}");
+        assert!(tail > 0, "this prompt ends mid-block: {v}");
+        let per_token = v["bytes"].as_f64().unwrap() / (blocks * BLOCK_TOKENS + tail) as f64;
+        assert!((per_token / CACHE_BYTES_PER_TOKEN - 1.0).abs() < 0.01, "payload {per_token} B/token");
+        // Striped over prefilld's two connections (stream.connections = 2): decoded finished two
+        // Push streams, each with some of the blocks.
+        let pushed: Vec<u64> =
+            logged(&self.decoded, "push done", 2).await.iter().filter_map(|f| f["blocks"].as_u64()).collect();
+        assert_eq!(pushed.len(), 2, "{pushed:?}");
+        assert_eq!(pushed.iter().sum::<u64>(), blocks, "{pushed:?}");
+        assert!(blocks < 2 || pushed.iter().all(|&n| n > 0), "{pushed:?}");
 
-    // 4. A repeat is served from the store without the bridge.
-    let repeat = chat(&decoded, &first, "auto").await;
-    assert_eq!(repeat.verdict["outcome"], "cached", "{}", repeat.verdict);
-    assert_eq!(repeat.verdict["blocks"], 0);
-    assert_eq!(repeat.text(), bridged.text());
+        let native = chat(&self.decoded, &messages, "native").await;
+        assert_eq!(native.verdict["outcome"], "native");
+        assert_eq!(native.verdict["reason"], "requested");
+        assert_eq!(native.cached_tokens(), 0, "a native answer restores nothing");
+        assert_eq!(native.text(), bridged.text(), "bridged and native greedy answers differ");
+        Asked { messages, answer: bridged }
+    }
 
-    // 4b. Two requests for the same cold prompt at once share one prefill: one bridges, the other
-    // waits for that bridge and is served from the store.
-    let prefills_before = logged(&prefilld, "prefill done", 0).await.len();
-    let twins = user(&format!("{}\n\nList the conditions.", paragraphs[11..14].join("\n\n")));
-    let (a, b) = tokio::join!(chat(&decoded, &twins, "auto"), chat(&decoded, &twins, "auto"));
-    let (bridger, waiter) = if a.verdict["outcome"] == "bridged" { (&a, &b) } else { (&b, &a) };
-    assert_eq!(bridger.verdict["outcome"], "bridged", "{} / {}", a.verdict, b.verdict);
-    assert_eq!(waiter.verdict["outcome"], "cached", "{}", waiter.verdict);
-    assert!(waiter.verdict["timings_ms"]["shared_bridge_wait"].as_f64().is_some(), "{}", waiter.verdict);
-    // The tail was the bridging request's alone; the waiter restores the whole blocks.
-    assert_eq!(waiter.cached_tokens() + bridger.verdict["tail_tokens"].as_u64().unwrap(), bridger.cached_tokens());
-    assert_eq!(waiter.text(), bridger.text());
-    let prefills = logged(&prefilld, "prefill done", prefills_before + 1).await.len();
-    assert_eq!(prefills, prefills_before + 1, "one prefill for both requests");
+    /// The Grafana dashboard queries only metrics the daemons publish; `pdbridge doctor` passes;
+    /// `pdbridge warm` bridges a document, which a chat then finds cached.
+    async fn the_dashboard_doctor_and_warm_work_on_it(&self) {
+        dashboard_metrics_exist(&self.decoded, &self.prefilld).await;
+        let (status, out) = run_cli(&self.doctor_args()).await;
+        assert!(status.success(), "doctor failed:\n{out}");
+        assert!(out.contains("PASS  test bridge") && out.contains("all checks passed"), "{out}");
+        assert!(out.contains("PASS  certificate: mac-1, signed by the CA"), "{out}");
 
-    // 4c. Sixteen chats at once, cold (bridged), warm (cached) and native mixed: every one is
-    // answered with its verdict, and decoded's memory stays bounded (blocks stream through it,
-    // never pile up in it).
-    let cold: Vec<Value> = (0..6)
-        // A question first: no block of these is shared with any other prompt of this test.
-        .map(|i| user(&format!("Question {i}: who may use this?\n\n{}", paragraphs[4 + i..6 + i].join("\n\n"))))
-        .collect();
-    let mixed = (0..16).map(|i| match i % 3 {
-        0 if i / 3 < cold.len() => (cold[i / 3].clone(), "auto", "bridged"),
-        1 => (first.clone(), "auto", "cached"),
-        _ => (first.clone(), "native", "native"),
-    });
-    let url = chat_url(&decoded);
-    let in_flight: Vec<_> = mixed
-        .map(|(messages, mode, want)| {
-            let url = url.clone();
-            tokio::spawn(async move { (chat_at(&url, &messages, mode).await, want) })
+        let document = self.paragraphs[8..11].join("\n\n");
+        let doc_file = self.scratch.0.join("doc.txt");
+        std::fs::write(&doc_file, &document).unwrap();
+        let mut warm_args = vec![
+            "warm".to_owned(),
+            format!("--file={}", doc_file.display()),
+            format!("--front=http://{}", self.decoded.front.unwrap()),
+            format!("--prefilld={}", self.prefilld.grpc_uri()),
+        ];
+        warm_args.extend(self.cli_tls());
+        let (status, out) = run_cli(&warm_args).await;
+        assert!(status.success() && out.contains("warm: bridged"), "warm failed:\n{out}");
+        let warmed = chat(&self.decoded, &user(&document), "auto").await;
+        assert_eq!(warmed.verdict["outcome"], "cached", "{}", warmed.verdict);
+    }
+
+    /// Extending the conversation bridges only the new blocks; a repeat is served from the store.
+    async fn a_longer_conversation_bridges_only_its_new_blocks(&self, first: &Asked) -> Asked {
+        let user_text = first.messages[0]["content"].clone();
+        let messages = json!([
+            {"role": "user", "content": user_text},
+            {"role": "assistant", "content": first.answer.text()},
+            {"role": "user", "content": format!("{}\n\nAnd this part?", self.paragraphs[3..5].join("\n\n"))},
+        ]);
+        let second = chat(&self.decoded, &messages, "auto").await;
+        assert_eq!(second.status, 200, "{:?}", second.body);
+        assert_eq!(second.verdict["outcome"], "bridged", "{}", second.verdict);
+        let blocks = first.answer.verdict["blocks"].as_u64().unwrap();
+        let second_blocks = second.prompt_tokens() / BLOCK_TOKENS;
+        assert_eq!(second.verdict["blocks"].as_u64(), Some(second_blocks - blocks), "only the new blocks travel");
+
+        let repeat = chat(&self.decoded, &first.messages, "auto").await;
+        assert_eq!(repeat.verdict["outcome"], "cached", "{}", repeat.verdict);
+        assert_eq!(repeat.verdict["blocks"], 0);
+        assert_eq!(repeat.text(), first.answer.text());
+        Asked { messages, answer: second }
+    }
+
+    /// Two requests for the same cold prompt at once share one prefill: one bridges, the other
+    /// waits for that bridge and is served from the store.
+    async fn twins_share_one_prefill(&self) {
+        let prefills_before = logged(&self.prefilld, "prefill done", 0).await.len();
+        let twins = self.ask(11..14, "List the conditions.");
+        let (a, b) = tokio::join!(chat(&self.decoded, &twins, "auto"), chat(&self.decoded, &twins, "auto"));
+        let (bridger, waiter) = if a.verdict["outcome"] == "bridged" { (&a, &b) } else { (&b, &a) };
+        assert_eq!(bridger.verdict["outcome"], "bridged", "{} / {}", a.verdict, b.verdict);
+        assert_eq!(waiter.verdict["outcome"], "cached", "{}", waiter.verdict);
+        assert!(waiter.verdict["timings_ms"]["shared_bridge_wait"].as_f64().is_some(), "{}", waiter.verdict);
+        // The tail was the bridging request's alone; the waiter restores the whole blocks.
+        let tail = bridger.verdict["tail_tokens"].as_u64().unwrap();
+        assert_eq!(waiter.cached_tokens() + tail, bridger.cached_tokens());
+        assert_eq!(waiter.text(), bridger.text());
+        let prefills = logged(&self.prefilld, "prefill done", prefills_before + 1).await.len();
+        assert_eq!(prefills, prefills_before + 1, "one prefill for both requests");
+    }
+
+    /// Sixteen chats at once, cold (bridged), warm (cached) and native mixed: every one is
+    /// answered with its verdict, and decoded's memory stays bounded (blocks stream through it,
+    /// never pile up in it).
+    async fn sixteen_at_once_stay_within_bounded_memory(&self, first: &Asked) {
+        let cold: Vec<Value> = (0..6)
+            // A question first: no block of these is shared with any other prompt of this test.
+            .map(|i| {
+                user(&format!("Question {i}: who may use this?\n\n{}", self.paragraphs[4 + i..6 + i].join("\n\n")))
+            })
+            .collect();
+        let mixed = (0..16).map(|i| match i % 3 {
+            0 if i / 3 < cold.len() => (cold[i / 3].clone(), "auto", "bridged"),
+            1 => (first.messages.clone(), "auto", "cached"),
+            _ => (first.messages.clone(), "native", "native"),
+        });
+        let url = chat_url(&self.decoded);
+        let in_flight: Vec<_> = mixed
+            .map(|(messages, mode, want)| {
+                let url = url.clone();
+                tokio::spawn(async move { (chat_at(&url, &messages, mode).await, want) })
+            })
+            .collect();
+        for request in in_flight {
+            let (answer, want) = request.await.unwrap();
+            assert_eq!(answer.status, 200, "{:?}", answer.body);
+            assert_eq!(answer.verdict["outcome"], want, "{}", answer.verdict);
+            assert_eq!(answer.verdict["cached_tokens"].as_u64(), Some(answer.cached_tokens()), "{}", answer.verdict);
+        }
+        let peak_rss_mb = peak_rss_mb(self.decoded.pid());
+        assert!(peak_rss_mb < DECODED_PEAK_RSS_MB, "decoded's peak RSS {peak_rss_mb} MB");
+    }
+
+    /// A restarted decoded still serves every committed block.
+    async fn a_restarted_decoder_serves_every_committed_block(&mut self, second: &Asked) {
+        self.decoded.terminate();
+        assert_eq!(self.decoded.wait(Duration::from_secs(60)).await.code(), Some(0));
+        self.decoded = Daemon::start("decoded", &self.decoded_config).await;
+        self.decoded.wait_ready(Duration::from_secs(300)).await;
+        // prefilld is ready only while its decoder is: it met this one again.
+        self.prefilld.wait_ready(Duration::from_secs(60)).await;
+        let after_restart = chat(&self.decoded, &second.messages, "auto").await;
+        assert_eq!(after_restart.verdict["outcome"], "cached", "{}", after_restart.verdict);
+        let second_tail = second.answer.verdict["tail_tokens"].as_u64().unwrap();
+        assert_eq!(after_restart.cached_tokens(), second.answer.cached_tokens() - second_tail);
+        assert_eq!(after_restart.text(), second.answer.text());
+    }
+
+    /// A block that rotted on disk is caught by its checksum, quarantined and bridged again; the
+    /// answer is unchanged.
+    async fn a_rotten_block_is_quarantined_and_bridged_again(&self, first: &Asked) {
+        let rotten = block_file(&self.decoded, &self.pki, &self.store, &first.messages, 0).await;
+        let mut data = std::fs::read(&rotten).unwrap();
+        *data.last_mut().unwrap() ^= 0x01;
+        std::fs::write(&rotten, &data).unwrap();
+        let quarantined = || std::fs::read_dir(self.store.join("quarantine")).unwrap().count();
+        let quarantined_before = quarantined();
+        let healed = chat(&self.decoded, &first.messages, "auto").await;
+        assert_eq!(healed.status, 200, "{:?}", healed.body);
+        assert_eq!(healed.verdict["outcome"], "bridged", "{}", healed.verdict);
+        // The cached prefix now ends before block 0, so the prompt's blocks travel again.
+        assert_eq!(healed.verdict["blocks"], first.answer.verdict["blocks"], "{}", healed.verdict);
+        assert_eq!(healed.text(), first.answer.text());
+        assert_eq!(quarantined(), quarantined_before + 1);
+        assert_ne!(std::fs::read(&rotten).unwrap(), data, "the re-bridged block replaced the rotten file");
+    }
+
+    /// A link too slow for the prefill deadline: the bridge is abandoned with reason `timeout`
+    /// (native here: no block can land within 1 ms), or a loud 504 when the bridge is required.
+    async fn a_link_too_slow_times_out(&mut self, first: &Asked) {
+        let hasty_front = self.front.replace(
+            "[front]\n",
+            "[front]\nprefill_deadline_base = \"1ms\"\nprefill_deadline_per_1k_tokens = \"1ms\"\n",
+        );
+        let hasty_port = self.hasty_port.take().expect("one hasty decoder");
+        let store = self.scratch.0.join("hasty-store");
+        let config = hasty_port.release_into(&self.engines.decoded_config(&store, BLOCK_TOKENS as u32, &hasty_front));
+        let hasty = Daemon::start("decoded", &config).await;
+        hasty.wait_ready(Duration::from_secs(300)).await;
+        let slow = chat(&hasty, &first.messages, "auto").await;
+        assert_eq!(slow.status, 200, "{:?}", slow.body);
+        let verdict = (&slow.verdict["outcome"], &slow.verdict["reason"]);
+        assert_eq!(verdict, (&json!("native"), &json!("timeout")), "{}", slow.verdict);
+        assert_eq!(slow.text(), first.answer.text());
+        let required = chat(&hasty, &first.messages, "bridge").await;
+        // A required bridge that ran out of time is the gateway's timeout.
+        assert_eq!((required.status, &required.verdict["reason"]), (504, &json!("timeout")), "{}", required.verdict);
+    }
+
+    /// vLLM crashes mid-prefill: the answer is honest about what landed, and prefilld restarts
+    /// its engine.
+    async fn a_vllm_crash_mid_prefill_is_told_and_survived(&self) {
+        let vllm = self.prefilld.children();
+        assert_eq!(vllm.len(), 1, "prefilld runs one vLLM server: {vllm:?}");
+        let crashed = chat_with_fault_mid_bridge(&self.decoded, &self.ask(24..32, "What is licensed?"), || {
+            // SAFETY: kill(2) on prefilld's vLLM child, found a moment ago.
+            assert_eq!(unsafe { libc::kill(vllm[0], libc::SIGKILL) }, 0);
         })
-        .collect();
-    let mut answers = Vec::new();
-    for request in in_flight {
-        answers.push(request.await.unwrap());
-    }
-    for (answer, want) in &answers {
-        assert_eq!(answer.status, 200, "{:?}", answer.body);
-        assert_eq!(answer.verdict["outcome"], *want, "{}", answer.verdict);
-        assert_eq!(answer.verdict["cached_tokens"].as_u64(), Some(answer.cached_tokens()), "{}", answer.verdict);
-    }
-    let peak_rss_mb = peak_rss_mb(decoded.pid());
-    assert!(peak_rss_mb < DECODED_PEAK_RSS_MB, "decoded's peak RSS {peak_rss_mb} MB");
-
-    // 5. A restarted decoded still serves every committed block.
-    decoded.terminate();
-    assert_eq!(decoded.wait(Duration::from_secs(60)).await.code(), Some(0));
-    let mut decoded = Daemon::start("decoded", &decoded_config).await;
-    decoded.wait_ready(Duration::from_secs(300)).await;
-    // prefilld is ready only while its decoder is: it met this one again.
-    prefilld.wait_ready(Duration::from_secs(60)).await;
-    let after_restart = chat(&decoded, &extended, "auto").await;
-    assert_eq!(after_restart.verdict["outcome"], "cached", "{}", after_restart.verdict);
-    let second_tail = second.verdict["tail_tokens"].as_u64().unwrap();
-    assert_eq!(after_restart.cached_tokens(), second.cached_tokens() - second_tail);
-    assert_eq!(after_restart.text(), second.text());
-
-    // 5b. A block that rotted on disk is caught by its checksum, quarantined and bridged again;
-    // the answer is unchanged.
-    let rotten = block_file(&decoded, &pki, &store, &first, 0).await;
-    let mut data = std::fs::read(&rotten).unwrap();
-    *data.last_mut().unwrap() ^= 0x01;
-    std::fs::write(&rotten, &data).unwrap();
-    let quarantined = |store: &std::path::Path| std::fs::read_dir(store.join("quarantine")).unwrap().count();
-    let quarantined_before = quarantined(&store);
-    let healed = chat(&decoded, &first, "auto").await;
-    assert_eq!(healed.status, 200, "{:?}", healed.body);
-    assert_eq!(healed.verdict["outcome"], "bridged", "{}", healed.verdict);
-    // The cached prefix now ends before block 0, so the prompt's blocks travel again.
-    assert_eq!(healed.verdict["blocks"].as_u64(), Some(blocks), "{}", healed.verdict);
-    assert_eq!(healed.text(), bridged.text());
-    assert_eq!(quarantined(&store), quarantined_before + 1);
-    assert_ne!(std::fs::read(&rotten).unwrap(), data, "the re-bridged block replaced the rotten file");
-
-    // 5c. A link too slow for the prefill deadline: the bridge is abandoned with reason `timeout`
-    // (native here: no block can land within 1 ms), or a loud 502 when the bridge is required.
-    let hasty_front = front
-        .replace("[front]\n", "[front]\nprefill_deadline_base = \"1ms\"\nprefill_deadline_per_1k_tokens = \"1ms\"\n");
-    let hasty_config = hasty_port.release_into(&engines.decoded_config(
-        &scratch.0.join("hasty-store"),
-        BLOCK_TOKENS as u32,
-        &hasty_front,
-    ));
-    let hasty = Daemon::start("decoded", &hasty_config).await;
-    hasty.wait_ready(Duration::from_secs(300)).await;
-    let slow = chat(&hasty, &first, "auto").await;
-    assert_eq!(slow.status, 200, "{:?}", slow.body);
-    assert_eq!(
-        (&slow.verdict["outcome"], &slow.verdict["reason"]),
-        (&json!("native"), &json!("timeout")),
-        "{}",
-        slow.verdict
-    );
-    assert_eq!(slow.text(), bridged.text());
-    let required = chat(&hasty, &first, "bridge").await;
-    // A required bridge that ran out of time is the gateway's timeout.
-    assert_eq!((required.status, &required.verdict["reason"]), (504, &json!("timeout")), "{}", required.verdict);
-    drop(hasty);
-
-    // 5d. vLLM crashes mid-prefill: the answer is honest about what landed, and prefilld
-    // restarts its engine.
-    let vllm = prefilld.children();
-    assert_eq!(vllm.len(), 1, "prefilld runs one vLLM server: {vllm:?}");
-    let crash_prompt = user(&format!("{}\n\nWhat is licensed?", paragraphs[24..32].join("\n\n")));
-    let crashed = chat_with_fault_mid_bridge(&decoded, &crash_prompt, || {
-        // SAFETY: kill(2) on prefilld's vLLM child, found a moment ago.
-        assert_eq!(unsafe { libc::kill(vllm[0], libc::SIGKILL) }, 0);
-    })
-    .await;
-    assert_fault_verdict(&crashed, &["prefill_failed", "transfer_failed"]);
-    let stray = stray_files(&decoded, &store).await;
-    assert!(stray.is_empty(), "nothing torn: {stray:?}");
-    prefilld.wait_metric("pdbridge_engine_restarts_total{engine=\"vllm\"}", 1.0, Duration::from_secs(60)).await;
-    prefilld.wait_ready(Duration::from_secs(900)).await;
-
-    // 6. prefilld dies (SIGKILL) mid-bridge: the blocks that landed stay and are used, the verdict
-    // says how far the bridge got, and prefilld's engine processes die with it.
-    let long_prompt = user(&format!("{}\n\nWhat does this grant?", paragraphs[14..24].join("\n\n")));
-    let vllm = prefilld.children();
-    assert!(!vllm.is_empty(), "prefilld runs vLLM");
-    let cut = chat_with_fault_mid_bridge(&decoded, &long_prompt, || prefilld.kill()).await;
-    prefilld.wait(Duration::from_secs(30)).await;
-    assert_fault_verdict(&cut, &["transfer_failed"]);
-    let stray = stray_files(&decoded, &store).await;
-    assert!(stray.is_empty(), "nothing torn: {stray:?}");
-    for pid in vllm {
-        let gone = async {
-            while std::path::Path::new(&format!("/proc/{pid}")).exists() {
-                tokio::time::sleep(Duration::from_millis(200)).await;
-            }
-        };
-        tokio::time::timeout(Duration::from_secs(60), gone).await.expect("vLLM dies with prefilld");
+        .await;
+        assert_fault_verdict(&crashed, &["prefill_failed", "transfer_failed"]);
+        let stray = stray_files(&self.decoded, &self.store).await;
+        assert!(stray.is_empty(), "nothing torn: {stray:?}");
+        let restarts = "pdbridge_engine_restarts_total{engine=\"vllm\"}";
+        self.prefilld.wait_metric(restarts, 1.0, Duration::from_secs(60)).await;
+        self.prefilld.wait_ready(Duration::from_secs(900)).await;
     }
 
-    // With prefilld gone: native with the reason, or a loud failure when the bridge is required.
-    let (status, out) = run_cli(&doctor_args(&decoded, &prefilld)).await;
-    assert!(!status.success(), "doctor must fail with prefilld down:\n{out}");
-    assert!(out.contains("FAIL  prefilld reachable"), "{out}");
-    let fresh = user(&format!("{}\n\nSummarize.", paragraphs[6..8].join("\n\n")));
-    let required = chat(&decoded, &fresh, "bridge").await;
-    assert_eq!(required.status, 502, "{:?}", required.body);
-    assert_eq!(required.verdict["outcome"], "failed");
-    assert_eq!(required.verdict["reason"], "prefill_unavailable");
-    let fallback = chat(&decoded, &fresh, "auto").await;
-    assert_eq!(fallback.status, 200);
-    assert_eq!(fallback.verdict["outcome"], "native", "{}", fallback.verdict);
-    assert_eq!(fallback.verdict["reason"], "prefill_unavailable");
-    assert_eq!(fallback.cached_tokens(), 0);
+    /// prefilld dies (SIGKILL) mid-bridge: the blocks that landed stay and are used, the verdict
+    /// says how far the bridge got, prefilld's engine processes die with it; then a required
+    /// bridge fails loudly and an automatic one falls back to native, both with the reason.
+    async fn a_prefilld_killed_mid_bridge_leaves_what_landed(&mut self) {
+        let vllm = self.prefilld.children();
+        assert!(!vllm.is_empty(), "prefilld runs vLLM");
+        let long_prompt = self.ask(14..24, "What does this grant?");
+        let cut = chat_with_fault_mid_bridge(&self.decoded, &long_prompt, || self.prefilld.kill()).await;
+        self.prefilld.wait(Duration::from_secs(30)).await;
+        assert_fault_verdict(&cut, &["transfer_failed"]);
+        let stray = stray_files(&self.decoded, &self.store).await;
+        assert!(stray.is_empty(), "nothing torn: {stray:?}");
+        for pid in vllm {
+            let gone = async {
+                while std::path::Path::new(&format!("/proc/{pid}")).exists() {
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+            };
+            tokio::time::timeout(Duration::from_secs(60), gone).await.expect("vLLM dies with prefilld");
+        }
 
-    // 7. Bad requests get 400s and leave the store as it was.
-    let url = format!("http://{}/v1/chat/completions", decoded.front.unwrap());
-    let client = reqwest::Client::new();
-    let bad_mode = client
-        .post(&url)
-        .header("x-pd-bridge-mode", "sideways")
-        .json(&json!({"messages": first}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(bad_mode.status().as_u16(), 400);
-    let bad_body = client.post(&url).json(&json!({"messages": "nope"})).send().await.unwrap();
-    assert_eq!(bad_body.status().as_u16(), 400);
-    let too_long = user(&license.repeat(4));
-    let huge_max_tokens = 4_294_967_299u64; // 2^32 + 3: refused, not truncated to 3
-    for (body, needle) in [
-        (json!({"messages": first, "max_tokens": -3}), "max_tokens"),
-        (json!({"messages": first, "max_tokens": huge_max_tokens}), "max_tokens"),
-        (json!({"messages": []}), "messages"),
-        (json!({"messages": [{"content": "hi"}]}), "role"),
-        (json!({"messages": [{"role": "user", "content": 7}]}), "content"),
-        (
-            json!({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}),
-            "image_url",
-        ),
-        (json!({"messages": too_long}), "context_length_exceeded"),
-        (json!({"messages": first, "max_tokens": 8192}), "context_length_exceeded"),
-        (json!({"messages": first, "n": 17}), "`n` must be an integer from 1 to 16"),
-        (json!({"messages": first, "top_logprobs": 3}), "needs `logprobs: true`"),
-        (json!({"messages": first, "presence_penalty": 3}), "`presence_penalty` must be between -2 and 2"),
-    ] {
-        let response = client.post(&url).json(&body).send().await.unwrap();
-        assert_eq!(response.status().as_u16(), 400, "{body}");
-        let error = response.json::<Value>().await.unwrap();
-        let message = error["error"]["message"].as_str().unwrap_or_default().to_owned();
-        assert!(message.contains(needle), "{message:?} lacks {needle:?}");
+        let (status, out) = run_cli(&self.doctor_args()).await;
+        assert!(!status.success(), "doctor must fail with prefilld down:\n{out}");
+        assert!(out.contains("FAIL  prefilld reachable"), "{out}");
+        let fresh = self.ask(6..8, "Summarize.");
+        let required = chat(&self.decoded, &fresh, "bridge").await;
+        assert_eq!(required.status, 502, "{:?}", required.body);
+        assert_eq!(required.verdict["outcome"], "failed");
+        assert_eq!(required.verdict["reason"], "prefill_unavailable");
+        let fallback = chat(&self.decoded, &fresh, "auto").await;
+        assert_eq!(fallback.status, 200);
+        assert_eq!(fallback.verdict["outcome"], "native", "{}", fallback.verdict);
+        assert_eq!(fallback.verdict["reason"], "prefill_unavailable");
+        assert_eq!(fallback.cached_tokens(), 0);
     }
-    // Another model than the one served: OpenAI's 404.
-    let other_model = client.post(&url).json(&json!({"messages": first, "model": "gpt-4o"})).send().await.unwrap();
-    assert_eq!(other_model.status().as_u16(), 404);
-    let error = other_model.json::<Value>().await.unwrap();
-    assert_eq!(error["error"]["code"], "model_not_found", "{error}");
-    let still = chat(&decoded, &first, "auto").await;
-    assert_eq!(still.verdict["outcome"], "cached");
-    // List-form text content is the same prompt as plain content.
-    let parts = json!([{"role": "user", "content": [{"type": "text", "text": first_prompt}]}]);
-    let listed = chat(&decoded, &parts, "auto").await;
-    assert_eq!(listed.verdict["outcome"], "cached", "{}", listed.verdict);
-    assert_eq!(listed.text(), bridged.text());
 
-    // Every verdict above is counted.
-    let metrics = reqwest::get(decoded.admin_url("/metrics")).await.unwrap().text().await.unwrap();
-    assert!(
-        metrics.contains("pdbridge_bridge_outcomes_total{outcome=\"native\",reason=\"prefill_unavailable\"} 1"),
-        "{metrics}"
-    );
-    decoded.terminate();
-    assert_eq!(decoded.wait(Duration::from_secs(60)).await.code(), Some(0));
+    /// Bad requests get 400s (another model, OpenAI's 404) and leave the store as it was; every
+    /// verdict of the scenario was counted; decoded drains on SIGTERM.
+    async fn bad_requests_get_400s_and_leave_the_store(&mut self, first: &Asked) {
+        let url = format!("http://{}/v1/chat/completions", self.decoded.front.unwrap());
+        let client = reqwest::Client::new();
+        let messages = &first.messages;
+        let bad_mode = client.post(&url).header("x-pd-bridge-mode", "sideways").json(&json!({"messages": messages}));
+        assert_eq!(bad_mode.send().await.unwrap().status().as_u16(), 400);
+        let bad_body = client.post(&url).json(&json!({"messages": "nope"})).send().await.unwrap();
+        assert_eq!(bad_body.status().as_u16(), 400);
+        let too_long = user(&license_text().repeat(4));
+        let huge_max_tokens = 4_294_967_299u64; // 2^32 + 3: refused, not truncated to 3
+        for (body, needle) in [
+            (json!({"messages": messages, "max_tokens": -3}), "max_tokens"),
+            (json!({"messages": messages, "max_tokens": huge_max_tokens}), "max_tokens"),
+            (json!({"messages": []}), "messages"),
+            (json!({"messages": [{"content": "hi"}]}), "role"),
+            (json!({"messages": [{"role": "user", "content": 7}]}), "content"),
+            (
+                json!({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}),
+                "image_url",
+            ),
+            (json!({"messages": too_long}), "context_length_exceeded"),
+            (json!({"messages": messages, "max_tokens": 8192}), "context_length_exceeded"),
+            (json!({"messages": messages, "n": 17}), "`n` must be an integer from 1 to 16"),
+            (json!({"messages": messages, "top_logprobs": 3}), "needs `logprobs: true`"),
+            (json!({"messages": messages, "presence_penalty": 3}), "`presence_penalty` must be between -2 and 2"),
+        ] {
+            let response = client.post(&url).json(&body).send().await.unwrap();
+            assert_eq!(response.status().as_u16(), 400, "{body}");
+            let error = response.json::<Value>().await.unwrap();
+            let message = error["error"]["message"].as_str().unwrap_or_default().to_owned();
+            assert!(message.contains(needle), "{message:?} lacks {needle:?}");
+        }
+        let other_model =
+            client.post(&url).json(&json!({"messages": messages, "model": "gpt-4o"})).send().await.unwrap();
+        assert_eq!(other_model.status().as_u16(), 404);
+        let error = other_model.json::<Value>().await.unwrap();
+        assert_eq!(error["error"]["code"], "model_not_found", "{error}");
+        let still = chat(&self.decoded, messages, "auto").await;
+        assert_eq!(still.verdict["outcome"], "cached");
+        // List-form text content is the same prompt as plain content.
+        let text = first.messages[0]["content"].clone();
+        let parts = json!([{"role": "user", "content": [{"type": "text", "text": text}]}]);
+        let listed = chat(&self.decoded, &parts, "auto").await;
+        assert_eq!(listed.verdict["outcome"], "cached", "{}", listed.verdict);
+        assert_eq!(listed.text(), first.answer.text());
+
+        let metrics = reqwest::get(self.decoded.admin_url("/metrics")).await.unwrap().text().await.unwrap();
+        let counted = "pdbridge_bridge_outcomes_total{outcome=\"native\",reason=\"prefill_unavailable\"} 1";
+        assert!(metrics.contains(counted), "{metrics}");
+        self.decoded.terminate();
+        assert_eq!(self.decoded.wait(Duration::from_secs(60)).await.code(), Some(0));
+    }
 }
 
 /// The fields of `daemon`'s log events with this message, once there are at least `at_least`

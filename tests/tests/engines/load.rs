@@ -13,7 +13,7 @@ use serde_json::{Value, json};
 const ENDLESS: &str = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,";
 /// Long enough for any short request on a busy CI machine, far shorter than
 /// an endless generation (thousands of tokens at ~10 tokens/s).
-const REQUEST_TIMEOUT_S: u64 = 30;
+const REQUEST_TIMEOUT_S: u64 = 15;
 
 /// decoded with its real engine, a store under `scratch`, blocks of 32 and
 /// `front` (more `[front]` keys); ready.
