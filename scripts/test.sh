@@ -43,10 +43,19 @@ fast() {
   py_suite -s decoded/engine/tests -p 'test_stop_text.py'
 }
 
+# Two streams side by side, each mostly one core (the CPU decoder computes on one): the end-to-end
+# tests, one at a time, and the engine adapters' own suites, whose output is shown when both end.
 engines() {
-  cargo nextest run --workspace --locked --no-fail-fast -E 'binary(engines)' "$@"
-  py_suite -s decoded/engine/tests -p 'test_adapter.py'
-  py_suite -s prefilld/engine/tests
+  local status=0 py_log py_pid
+  py_log=$(mktemp)
+  { py_suite -s decoded/engine/tests -p 'test_adapter.py' && py_suite -s prefilld/engine/tests; } >"$py_log" 2>&1 &
+  py_pid=$!
+  cargo nextest run --workspace --locked --no-fail-fast -E 'binary(engines)' "$@" || status=$?
+  wait "$py_pid" || status=$?
+  echo "test.sh: the engine adapters' suites:" >&2
+  cat "$py_log" >&2
+  rm -f "$py_log"
+  return "$status"
 }
 
 times=()

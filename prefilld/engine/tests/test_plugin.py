@@ -8,16 +8,17 @@ test makes every request it asserts on: tests pass in any order and alone (``-k 
 - `ReconstructionTest`: the plugin's MLX math alone, no vLLM.
 - `ChunkedServerTest`: one vLLM server (float32, the decoder's dequantized weights, plugin loaded)
   with ``--max-num-batched-tokens 256``, so that a ~600-token prompt is prefilled in three steps and
-  blocks must leave per step.
-- `DefaultChunkingTest`, `Bfloat16Test`: servers of their own, started inside the test, one engine
-  at a time (unittest tears a class down before it sets the next one up).
+  blocks must leave per step; its default-chunking test starts a second server (the prompt in one
+  step) beside it, compared with this one.
+- `Bfloat16Test`, `PipelineTest`: servers of their own, started inside the test (unittest tears a
+  class down before it sets the next one up).
 
 Run (no pytest in the venv; unittest works, and so does pytest where installed):
 
     flock /tmp/pdb-heavy.lock .venv/bin/python -m unittest discover -s prefilld/engine/tests -v
 
-PDB_SKIP_CHUNKING=1 / PDB_SKIP_BF16=1 skip the extra servers (default chunking, with its own
-256-token reference server; bfloat16), ~30 s each.
+PDB_SKIP_CHUNKING=1 / PDB_SKIP_BF16=1 skip the extra servers (default chunking; bfloat16), ~30 s
+each.
 PDB_KEEP_TMP=1 keeps the temp folder (vLLM logs, bundle).
 """
 
@@ -334,18 +335,15 @@ class ChunkedServerTest(BridgeCase):
         r = self.bridge(self.server, "req-after-abort", num_blocks=1)
         self.assertEqual(r.kinds, ["block", "done"])
 
-
-@unittest.skipIf(os.environ.get("PDB_SKIP_CHUNKING") == "1", "PDB_SKIP_CHUNKING=1")
-class DefaultChunkingTest(BridgeCase):
+    @unittest.skipIf(os.environ.get("PDB_SKIP_CHUNKING") == "1", "PDB_SKIP_CHUNKING=1")
     def test_default_chunking_matches_chunked_schedule(self):
         """The same prompt on a server with the default token budget (the prompt in one step) and
-        on one with 256-token steps (the reference, made here): both within REL_BOUND of the native
-        cache, and the two schedules within REL_BOUND of each other (max|Δ| / max|native| per
-        tensor). Byte identity between them is reported, not required: vLLM-CPU's attention sums a
+        on one with 256-token steps (the reference: the class's server): both within REL_BOUND of
+        the native cache, and the two schedules within REL_BOUND of each other (max|Δ| /
+        max|native| per tensor). Byte identity between them is reported, not required: vLLM-CPU's attention sums a
         mid-sequence chunk's context in another order than one long step (its linear layers are
         row-invariant; bench/fidelity.py probes both)."""
-        chunked = self.bridge_on_fresh_server("vllm-chunked.log", "req-a-chunked",
-                                              extra_args=CHUNKED_ARGS)
+        chunked = self.bridge(self.server, "req-a-chunked")
         self.assert_done(chunked)
         ref = self.check_blocks(chunked.msgs, 0, T // B, f"req-a, chunk {CHUNK}")
         one_step = self.bridge_on_fresh_server("vllm-default.log", "req-a-default")
