@@ -411,7 +411,7 @@ mod tests {
         use std::pin::Pin;
 
         use pdbridge_common::proto::{
-            BundleChunk, CacheKind, DecoderCode, Dtype, LookupRequest, LookupResponse, PushFrame, PushReceipt,
+            BundleChunk, CacheKind, DecoderCode, Dtype, Extent, LookupRequest, LookupResponse, PushFrame, PushReceipt,
             TensorSpec,
             cache_store_server::{CacheStore, CacheStoreServer},
         };
@@ -459,11 +459,13 @@ mod tests {
             spec.block_tokens = 16;
             for layer in &mut spec.layers {
                 layer.set_kind(CacheKind::Rows);
+                (layer.rewindable, layer.takes_tail, layer.from_inputs) = (true, true, true);
                 layer.tensors = vec![TensorSpec {
                     name: "keys".into(),
                     dtype: Dtype::F32 as i32,
                     shape: vec![1, 3, 1, 64],
                     token_axis: 2,
+                    extent: Extent::PerToken as i32,
                 }];
             }
             spec.weights_fingerprint = weights.to_owned();

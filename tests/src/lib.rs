@@ -154,9 +154,10 @@ pub fn fixed_spec_config(dir: &Path, store_dir: &Path, block_tokens: u32, extra:
     std::fs::write(&bundle, &bundle_bytes).unwrap();
     let sha: String = sha2::Sha256::digest(&bundle_bytes).iter().map(|b| format!("{b:02x}")).collect();
     let layer = |index: u32| {
-        let tensor = |name: &str| serde_json::json!({"name": name, "dtype": "DTYPE_F32", "shape": [1, 2, 1, 8], "token_axis": 2});
+        let tensor = |name: &str| serde_json::json!({"name": name, "dtype": "DTYPE_F32", "shape": [1, 2, 1, 8], "token_axis": 2, "extent": "EXTENT_PER_TOKEN"});
         serde_json::json!({
             "index": index, "cache_class": "KVCache", "kind": "CACHE_KIND_ROWS", "tensors": [tensor("keys"), tensor("values")],
+            "rewindable": true, "takes_tail": true, "from_inputs": true,
             "rope": {"kind": "default", "module": "RoPE", "base": 10000.0, "traditional": false, "dims": 8},
         })
     };

@@ -226,11 +226,30 @@ class CacheKindsTest(unittest.TestCase):
                                bundle_dir=self.tmp.name)
                 self.assertIn(reason, other.spec["layers"][3]["unsupported_reason"])
 
+    def test_every_codec_declares_its_kind_extent_and_traits(self):
+        """What the spec publishes comes from each codec's declaration, and the rules readers apply
+        to it are written once (`format.tensor_shape`, the Python side of `spec::rows_tensor`)."""
+        from pdbridge_cache.format import tensor_shape
+
+        for cls, codec in kinds._CODECS.items():
+            with self.subTest(cache=cls.__name__):
+                self.assertIn(codec.kind, (kinds.ROWS, kinds.SNAPSHOT, kinds.POOLED))
+                self.assertIn(codec.extent, (kinds.PER_TOKEN, kinds.FIXED, kinds.PER_BLOCK))
+                self.assertFalse(codec.extent == kinds.PER_BLOCK and codec.takes_tail, "a whole block's has no tail")
+        rows = {"shape": ["1", "3", "1", "64"], "token_axis": 2, "extent": kinds.PER_TOKEN}
+        state = {"shape": [1, 3, 32], "token_axis": 0, "extent": kinds.FIXED}
+        pools = {"shape": [1, 4, 8], "token_axis": 1, "extent": kinds.PER_BLOCK}
+        self.assertEqual([tensor_shape(t, 5, 16) for t in (rows, state, pools)], [(1, 3, 5, 64), (1, 3, 32), None])
+        self.assertEqual([tensor_shape(t, 16, 16) for t in (rows, state, pools)],
+                         [(1, 3, 16, 64), (1, 3, 32), (1, 4, 8)])
+        self.assertIsNone(tensor_shape({"shape": [1], "token_axis": 0}, 16, 16), "no extent, no shape")
+
     def test_a_cache_without_a_codec_is_described_as_unsupported(self):
         cache = CacheList(KVCache(), KVCache())
         layer = kinds.describe(3, cache)
         self.assertEqual((layer["kind"], layer["index"], layer["tensors"]), (kinds.UNSUPPORTED, 3, []))
         self.assertIn("sub-caches", layer["unsupported_reason"])
+        self.assertEqual([layer[t] for t in ("rewindable", "takes_tail", "from_inputs")], [False] * 3)
         with self.assertRaises(kinds.UnsupportedCache):
             kinds.codec_for(cache)
 

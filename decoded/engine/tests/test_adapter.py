@@ -201,12 +201,12 @@ class AdapterTest(unittest.TestCase):
             self.assertEqual(layer, {
                 "index": i, "cache_class": "KVCache",
                 # uint64 in proto3 JSON: strings
-                "tensors": [{"name": n, "dtype": "DTYPE_F32", "shape": ["1", "3", "1", "64"], "token_axis": 2}
-                            for n in ("keys", "values")],
+                "tensors": [{"name": n, "dtype": "DTYPE_F32", "shape": ["1", "3", "1", "64"], "token_axis": 2,
+                             "extent": "EXTENT_PER_TOKEN"} for n in ("keys", "values")],
                 "rope": {"kind": "default", "module": "RoPE", "base": 100000.0, "traditional": False, "dims": 64,
                          "scaling": {}},
                 "window": 0, "keep": 0, "kv_bits": 0, "kv_group_size": 0, "kind": "CACHE_KIND_ROWS",
-                "unsupported_reason": "",
+                "unsupported_reason": "", "rewindable": True, "takes_tail": True, "from_inputs": True,
             })
         # What decoded fills in is left to it.
         self.assertEqual(self.info["model_id"], MODEL.name)
