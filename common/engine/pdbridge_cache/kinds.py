@@ -23,7 +23,9 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models import deepseek_v41
-from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import (
+    ArraysCache, ChunkedKVCache, KVCache, QuantizedKVCache, RotatingKVCache, make_prompt_cache,
+)
 
 # The kinds (pdbridge.v1.CacheKind's names), extents and the token axis, for this module's users.
 from .format import (
@@ -227,6 +229,28 @@ class _Rotating(_Rows):
         return cache
 
 
+class _Chunked(_Rows):
+    """ChunkedKVCache (Llama 4's chunked-attention layers): keys and values, one row per token, of
+    which the decoder keeps the last `chunk_size` (before each forward pass it trims to them;
+    `start_position` is the first one's token) — all a query can attend to, since a token sees only
+    its own chunk. Blocks hold every token's rows, so a cache restores at any token: the last
+    `chunk_size` rows, as the decoder's own cache holds them after its next trim."""
+
+    def fresh(self, cache: ChunkedKVCache) -> ChunkedKVCache:
+        return ChunkedKVCache(cache.chunk_size)
+
+    def tensors(self, cache: ChunkedKVCache) -> dict[str, mx.array]:
+        held = cache.offset - cache.start_position
+        return {"keys": cache.keys[..., :held, :], "values": cache.values[..., :held, :]}
+
+    def restore(self, template: ChunkedKVCache, rows: dict[str, mx.array], n: int,
+                dtype: mx.Dtype) -> ChunkedKVCache:
+        cache = self.fresh(template)
+        start = max(0, n - template.chunk_size)
+        cache.state = (rows["keys"][..., start:, :], rows["values"][..., start:, :], n, template.chunk_size, start)
+        return cache
+
+
 class _Recurrent(Codec):
     """ArraysCache of a recurrent layer (gated delta-net, SSM): arrays every token updates — a scan
     over the whole prefix, not rows. A block holds them after its last token (`state0`, `state1`, …,
@@ -342,13 +366,12 @@ class _DeepseekV41(Codec):
 
 # Exact classes only: a subclass may store something else.
 _CODECS: dict[type, Codec] = {
-    KVCache: _Plain(), QuantizedKVCache: _Quantized(), RotatingKVCache: _Rotating(), ArraysCache: _Recurrent(),
-    deepseek_v41.LayerCache: _DeepseekV41(),
+    KVCache: _Plain(), QuantizedKVCache: _Quantized(), RotatingKVCache: _Rotating(), ChunkedKVCache: _Chunked(),
+    ArraysCache: _Recurrent(), deepseek_v41.LayerCache: _DeepseekV41(),
 }
 
 _WHY_NOT = {
     "CacheList": "a list of sub-caches per layer",
-    "ChunkedKVCache": "chunked attention cache",
 }
 
 
