@@ -164,8 +164,7 @@ pub fn fixed_spec_config(dir: &Path, store_dir: &Path, block_tokens: u32, extra:
     let info = serde_json::json!({
         "model_id": "fixed-spec", "bundle_path": bundle, "bundle_sha256": sha, "tokenizer_sha256": "00",
         "spec": {
-            "architecture": "LlamaForCausalLM", "num_layers": 2, "num_attention_heads": 4, "num_kv_heads": 2,
-            "head_dim": 8, "hidden_size": 32, "vocab_size": 49152, "max_context": 8192,
+            "architecture": "LlamaForCausalLM", "num_layers": 2, "hidden_size": 32, "vocab_size": 49152, "max_context": 8192,
             "block_tokens": block_tokens, "layers": [layer(0), layer(1)],
             "decoder_code": {"model_type": "llama", "mlx": "0.32.4", "mlx_lm": "0.32.2"}, "input_dtype": "DTYPE_F32",
         },

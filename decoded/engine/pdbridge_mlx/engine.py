@@ -165,17 +165,15 @@ class Engine:
         """The `pdbridge.v1.CacheSpec` as proto3 JSON, but for what decoded fills in (the model
         id and the fingerprints)."""
         cfg = self.config
-        heads = int(cfg["num_attention_heads"])
         architectures = cfg.get("architectures") or [cfg["model_type"]]
+        # A multimodal checkpoint (Llama 4) keeps the language model's shape under text_config.
+        text = {**cfg, **(cfg.get("text_config") or {})}
         return {
             "architecture": architectures[0],
             "num_layers": self.num_layers,
-            "num_attention_heads": heads,
-            "num_kv_heads": int(cfg.get("num_key_value_heads") or heads),
-            "head_dim": int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads),
-            "hidden_size": int(cfg["hidden_size"]),
-            "vocab_size": int(cfg["vocab_size"]),
-            "max_context": int(cfg.get("max_position_embeddings") or 0),
+            "hidden_size": int(text["hidden_size"]),
+            "vocab_size": int(text["vocab_size"]),
+            "max_context": int(text.get("max_position_embeddings") or 0),
             "block_tokens": self.block_tokens,
             "layers": layers,
             "decoder_code": {"model_type": str(cfg["model_type"]), **versions()},
