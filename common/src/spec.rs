@@ -114,10 +114,7 @@ pub fn chains_blocks(spec: &CacheSpec) -> bool {
 /// Why a prompt's tail (a partial block) cannot be stored for this spec; None when it can.
 pub fn tail_unsupported(spec: &CacheSpec) -> Option<String> {
     spec.layers.iter().find(|l| !l.takes_tail && bridged(l)).map(|layer| {
-        format!(
-            "layer {} ({}) stores whole blocks only (a window and pooled groups per block): a partial block has none",
-            layer.index, layer.cache_class
-        )
+        format!("layer {} ({}) stores whole blocks only: a partial block has none", layer.index, layer.cache_class)
     })
 }
 

@@ -354,7 +354,7 @@ fn engine_info(reply: wire::InfoReply) -> Result<EngineInfo, EngineError> {
     spec.weights_fingerprint = reply.bundle_sha256;
     spec.tokenizer_fingerprint = reply.tokenizer_sha256;
     for layer in &spec.layers {
-        if layer.kind() == CacheKind::Unspecified {
+        if layer.kind == CacheKind::Unspecified as i32 {
             return Err(EngineError::Protocol(format!("layer {}: no cache kind", layer.index)));
         }
         if let Some(t) = layer.tensors.iter().find(|t| t.dtype() == Dtype::Unspecified) {
