@@ -145,11 +145,10 @@ async fn decoder_spec(channel: &Channel) -> Result<String, String> {
     }
     let rope = spec.layers.first().and_then(|l| l.rope.clone()).unwrap_or_default();
     Ok(format!(
-        "{} ({} layers, {} kv heads × {}), tokenizer {}, rope {} base {}, block {} tokens, spec {}",
+        "{} ({} layers, {} B of cache per token), tokenizer {}, rope {} base {}, block {} tokens, spec {}",
         spec.model_id,
         spec.num_layers,
-        spec.num_kv_heads,
-        spec.head_dim,
+        spec::bytes_per_token(&spec),
         &spec.tokenizer_fingerprint[..12.min(spec.tokenizer_fingerprint.len())],
         rope.kind,
         rope.base,

@@ -6,7 +6,7 @@ use sha2::{Digest, Sha256};
 
 use crate::{
     block::{self, BlockKey},
-    proto::{CacheKind, CacheSpec, Dtype, LayerSpec, Payload},
+    proto::{CacheKind, CacheSpec, Dtype, Extent, LayerSpec, Payload},
     shard::Expected,
 };
 
@@ -47,38 +47,32 @@ pub fn block_tensor(spec: &CacheSpec, layer: u32, name: &str) -> Option<Expected
     rows_tensor(spec, layer, name, spec.block_tokens)
 }
 
-/// [`block_tensor`] for `rows` tokens (a prompt's tail is shorter than a block);
-/// a snapshot layer's tensors have the same shape whatever the rows, a pooled
-/// layer's exist only for whole blocks.
+/// [`block_tensor`] for `rows` tokens (a prompt's tail is shorter than a block), as the tensor's
+/// extent says: `rows` along the token axis, the same shape whatever the rows, or a whole block's
+/// only (`None` for any other `rows`).
 pub fn rows_tensor(spec: &CacheSpec, layer: u32, name: &str, rows: u32) -> Option<Expected> {
     let layer = spec.layers.get(layer as usize)?;
     let tensor = layer.tensors.iter().find(|t| t.name == name)?;
     let mut shape = tensor.shape.clone();
-    match layer.kind() {
-        CacheKind::Snapshot => {}
-        CacheKind::Pooled if rows != spec.block_tokens => return None,
-        CacheKind::Pooled => {}
-        _ => *shape.get_mut(tensor.token_axis as usize)? = rows as u64,
+    match tensor.extent() {
+        Extent::PerToken => *shape.get_mut(tensor.token_axis as usize)? = rows as u64,
+        Extent::Fixed => {}
+        Extent::PerBlock if rows == spec.block_tokens => {}
+        Extent::PerBlock | Extent::Unspecified => return None,
     }
     Some(Expected { dtype: tensor.dtype(), shape })
-}
-
-/// Whether a layer's cache can be computed from its block's inputs alone (per-token rows, or a
-/// window and pools), so that a block of layer inputs carries that layer.
-fn from_inputs(layer: &LayerSpec) -> bool {
-    matches!(layer.kind(), CacheKind::Rows | CacheKind::Pooled)
 }
 
 /// A layer's tensor in a [`Payload::LayerInputs`] block: its attention input.
 pub const LAYER_INPUT: &str = "input";
 
 /// Tensor `name` of `layer` in a block of `rows` tokens as `payload` carries
-/// it: a cache tensor ([`rows_tensor`]), or a layer's input, `[rows,
-/// hidden_size]` in the decoder's activation dtype.
+/// it: a cache tensor ([`rows_tensor`]), or the input of a layer that is computed from its
+/// block's inputs alone (`from_inputs`), `[rows, hidden_size]` in the decoder's activation dtype.
 pub fn payload_tensor(spec: &CacheSpec, payload: Payload, layer: u32, name: &str, rows: u32) -> Option<Expected> {
     match payload {
         Payload::Cache => rows_tensor(spec, layer, name, rows),
-        Payload::LayerInputs => (name == LAYER_INPUT && from_inputs(spec.layers.get(layer as usize)?))
+        Payload::LayerInputs => (name == LAYER_INPUT && spec.layers.get(layer as usize)?.from_inputs)
             .then(|| Expected { dtype: spec.input_dtype(), shape: vec![u64::from(rows), u64::from(spec.hidden_size)] }),
     }
 }
@@ -87,7 +81,7 @@ pub fn payload_tensor(spec: &CacheSpec, payload: Payload, layer: u32, name: &str
 pub fn tensors_per_block(spec: &CacheSpec, payload: Payload) -> usize {
     match payload {
         Payload::Cache => spec.layers.iter().map(|l| l.tensors.len()).sum(),
-        Payload::LayerInputs => spec.layers.iter().filter(|l| from_inputs(l)).count(),
+        Payload::LayerInputs => spec.layers.iter().filter(|l| l.from_inputs).count(),
     }
 }
 
@@ -96,7 +90,7 @@ pub fn payload_unsupported(spec: &CacheSpec, payload: Payload) -> Option<String>
     if payload == Payload::Cache {
         return None;
     }
-    if let Some(layer) = spec.layers.iter().find(|l| l.kind() == CacheKind::Snapshot) {
+    if let Some(layer) = spec.layers.iter().find(|l| !l.from_inputs && bridged(l)) {
         return Some(format!(
             "layer {} keeps a recurrent state ({}), which chains every block before it: the decoder cannot \
              compute it from one block's layer inputs",
@@ -106,26 +100,30 @@ pub fn payload_unsupported(spec: &CacheSpec, payload: Payload) -> Option<String>
     (spec.input_dtype().size_bytes().is_none()).then(|| "the decoder's spec names no activation dtype".to_owned())
 }
 
-/// Whether a layer of the spec keeps a recurrent state ([`CacheKind::Snapshot`]).
-pub fn has_snapshots(spec: &CacheSpec) -> bool {
-    spec.layers.iter().any(|l| l.kind() == CacheKind::Snapshot)
+/// Whether a layer is one a prefiller reconstructs: it has a kind, and not the unsupported one.
+fn bridged(layer: &LayerSpec) -> bool {
+    !matches!(CacheKind::try_from(layer.kind), Ok(CacheKind::Unsupported | CacheKind::Unspecified))
+}
+
+/// Whether a layer of the spec carries a state from block to block (not `from_inputs`): a
+/// reconstruction must then run every block from the first, known ones included.
+pub fn chains_blocks(spec: &CacheSpec) -> bool {
+    spec.layers.iter().any(|l| !l.from_inputs && bridged(l))
 }
 
 /// Why a prompt's tail (a partial block) cannot be stored for this spec; None when it can.
 pub fn tail_unsupported(spec: &CacheSpec) -> Option<String> {
-    spec.layers.iter().find(|l| l.kind() == CacheKind::Pooled).map(|layer| {
-        format!(
-            "layer {} ({}) stores a window and pooled groups per whole block: a partial block has none",
-            layer.index, layer.cache_class
-        )
+    spec.layers.iter().find(|l| !l.takes_tail && bridged(l)).map(|layer| {
+        format!("layer {} ({}) stores whole blocks only: a partial block has none", layer.index, layer.cache_class)
     })
 }
 
-/// The prompt tokens whose whole blocks are stored. A recurrent state or a pooled layer's blocks
-/// cannot be rewound, and the decoder must process a prompt's last token itself, so with such a
-/// layer no stored block ends with it: the blocks are those of all but the last token.
+/// The prompt tokens whose whole blocks are stored. A layer that cannot be rewound (a recurrent
+/// state, a pooled layer's blocks) cannot drop the prompt's last token, which the decoder must
+/// process itself, so with such a layer no stored block ends with it: the blocks are those of all
+/// but the last token.
 pub fn storable<'t>(spec: &CacheSpec, tokens: &'t [u32]) -> &'t [u32] {
-    let unrewindable = spec.layers.iter().any(|l| matches!(l.kind(), CacheKind::Snapshot | CacheKind::Pooled));
+    let unrewindable = spec.layers.iter().any(|l| !l.rewindable && bridged(l));
     match tokens.split_last() {
         Some((_, before_last)) if unrewindable => before_last,
         _ => tokens,
@@ -139,8 +137,8 @@ pub fn block_keys(spec: &CacheSpec, tokens: &[u32]) -> Vec<BlockKey> {
 
 /// Why a prefiller cannot reconstruct this spec's blocks, one line per layer
 /// (empty when it can). The one place that decides what is bridgeable: the
-/// decoder describes each layer's cache kind, and whatever is not a kind with
-/// per-token rows, or is malformed, is refused here.
+/// decoder describes each layer (its traits, its tensors' extents), and a layer
+/// it calls unsupported, or one that is malformed, is refused here.
 pub fn unsupported(spec: &CacheSpec) -> Vec<String> {
     let mut out = Vec::new();
     if spec.layers.len() as u32 != spec.num_layers {
@@ -150,11 +148,11 @@ pub fn unsupported(spec: &CacheSpec) -> Vec<String> {
         out.push("the spec does not name the decoder's code (mlx-lm model type and versions)".into());
     }
     for layer in &spec.layers {
-        let problem = match layer.kind() {
-            CacheKind::Rows => rows_problem(layer),
-            CacheKind::Snapshot | CacheKind::Pooled => fixed_shape_problem(layer),
-            CacheKind::Unsupported => Some(layer.unsupported_reason.clone()),
-            CacheKind::Unspecified => Some(format!("{}: no cache kind", layer.cache_class)),
+        // A kind this build has no name for is read like any other: by its traits and extents.
+        let problem = match CacheKind::try_from(layer.kind) {
+            Ok(CacheKind::Unsupported) => Some(layer.unsupported_reason.clone()),
+            Ok(CacheKind::Unspecified) => Some(format!("{}: no cache kind", layer.cache_class)),
+            _ => layer_problem(layer),
         };
         if let Some(problem) = problem {
             out.push(format!("layer {}: {problem}", layer.index));
@@ -163,62 +161,54 @@ pub fn unsupported(spec: &CacheSpec) -> Vec<String> {
     out
 }
 
-fn rows_problem(layer: &LayerSpec) -> Option<String> {
-    tensors_problem(layer).or_else(|| {
-        layer.tensors.iter().find_map(|t| {
-            let axis = t.token_axis as usize;
-            (t.shape.get(axis) != Some(&1))
-                .then(|| format!("tensor {}: shape {:?} has no token axis {axis} of size 1", t.name, t.shape))
-        })
-    })
-}
-
-fn fixed_shape_problem(layer: &LayerSpec) -> Option<String> {
-    tensors_problem(layer).or_else(|| {
-        layer
-            .tensors
-            .iter()
-            .find(|t| t.shape.is_empty() || t.shape.contains(&0))
-            .map(|t| format!("tensor {}: shape {:?} holds nothing", t.name, t.shape))
-    })
-}
-
-fn tensors_problem(layer: &LayerSpec) -> Option<String> {
+/// What is malformed in a bridgeable layer: no tensors, a tensor without an element size or an
+/// extent, a per-token tensor without a token axis of size 1, a fixed or per-block one that
+/// holds nothing, or a tail promised by a layer with a per-block tensor.
+fn layer_problem(layer: &LayerSpec) -> Option<String> {
     if layer.tensors.is_empty() {
         return Some(format!("{} lists no tensors", layer.cache_class));
     }
-    layer
-        .tensors
-        .iter()
-        .find(|t| t.dtype().size_bytes().is_none())
-        .map(|t| format!("tensor {}: no element size for {:?}", t.name, t.dtype()))
+    layer.tensors.iter().find_map(|t| {
+        let axis = t.token_axis as usize;
+        if t.dtype().size_bytes().is_none() {
+            return Some(format!("tensor {}: no element size for {:?}", t.name, t.dtype()));
+        }
+        match t.extent() {
+            Extent::Unspecified => Some(format!("tensor {}: no extent", t.name)),
+            Extent::PerToken => (t.shape.get(axis) != Some(&1))
+                .then(|| format!("tensor {}: shape {:?} has no token axis {axis} of size 1", t.name, t.shape)),
+            Extent::Fixed | Extent::PerBlock if t.shape.is_empty() || t.shape.contains(&0) => {
+                Some(format!("tensor {}: shape {:?} holds nothing", t.name, t.shape))
+            }
+            Extent::PerBlock if layer.takes_tail => {
+                Some(format!("tensor {}: a whole block's only, but the layer takes a tail", t.name))
+            }
+            Extent::Fixed | Extent::PerBlock => None,
+        }
+    })
 }
 
-/// Bytes the layers of `kind` cost: per token for [`CacheKind::Rows`], per block for
-/// [`CacheKind::Snapshot`] and [`CacheKind::Pooled`].
-fn bytes_of(spec: &CacheSpec, kind: CacheKind) -> u64 {
+/// Bytes of the spec's tensors whose extent `per_token` says: per token, or per block (fixed and
+/// per-block tensors).
+fn bytes_of(spec: &CacheSpec, per_token: bool) -> u64 {
     spec.layers
         .iter()
-        .filter(|l| l.kind() == kind)
         .flat_map(|l| &l.tensors)
+        .filter(|t| (t.extent() == Extent::PerToken) == per_token)
         .map(|t| t.shape.iter().product::<u64>() * t.dtype().size_bytes().unwrap_or(0) as u64)
         .sum()
 }
 
-/// Bytes of cache one token costs in the layers with per-token rows.
+/// Bytes of cache one token costs in the per-token tensors.
 pub fn bytes_per_token(spec: &CacheSpec) -> u64 {
-    bytes_of(spec, CacheKind::Rows)
+    bytes_of(spec, true)
 }
 
-/// Bytes of one block of `rows` tokens as `payload` carries it: the cache's
-/// rows plus every snapshot layer's state and pooled layer's block, or the layers' inputs.
+/// Bytes of one block of `rows` tokens as `payload` carries it: the per-token tensors' rows plus
+/// every fixed and per-block tensor, or the layers' inputs.
 pub fn block_bytes(spec: &CacheSpec, payload: Payload, rows: u32) -> u64 {
     match payload {
-        Payload::Cache => {
-            u64::from(rows) * bytes_per_token(spec)
-                + bytes_of(spec, CacheKind::Snapshot)
-                + bytes_of(spec, CacheKind::Pooled)
-        }
+        Payload::Cache => u64::from(rows) * bytes_per_token(spec) + bytes_of(spec, false),
         Payload::LayerInputs => u64::from(rows) * layer_input_bytes_per_token(spec),
     }
 }
@@ -271,6 +261,7 @@ mod tests {
             dtype: Dtype::F32 as i32,
             shape: vec![1, 3, 1, 64],
             token_axis: 2,
+            extent: Extent::PerToken as i32,
         };
         let mut spec = CacheSpec {
             model_id: "m".into(),
@@ -285,6 +276,9 @@ mod tests {
                     kind: CacheKind::Rows as i32,
                     tensors: vec![tensor("keys"), tensor("values")],
                     rope: Some(Rope { kind: "default".into(), base: 1e5, dims: 64, ..Default::default() }),
+                    rewindable: true,
+                    takes_tail: true,
+                    from_inputs: true,
                     ..Default::default()
                 })
                 .collect(),
@@ -321,12 +315,14 @@ mod tests {
             dtype: Dtype::F32 as i32,
             shape,
             token_axis: 0,
+            extent: Extent::Fixed as i32,
         };
         spec.layers[0] = LayerSpec {
             index: 0,
             cache_class: "ArraysCache".into(),
             kind: CacheKind::Snapshot as i32,
             tensors: vec![state("state0", vec![1, 3, 32]), state("state1", vec![1, 2, 8, 8])],
+            takes_tail: true,
             ..Default::default()
         };
         spec.spec_fingerprint = fingerprint(&spec);
@@ -361,6 +357,7 @@ mod tests {
             dtype: dtype as i32,
             shape,
             token_axis: 1,
+            extent: Extent::PerBlock as i32,
         };
         spec.layers[0] = LayerSpec {
             index: 0,
@@ -372,6 +369,7 @@ mod tests {
                 packed("window_scales", Dtype::U8, vec![1, 32, 2]),
                 packed("compress_kv", Dtype::U32, vec![1, 4, 8]),
             ],
+            from_inputs: true,
             ..Default::default()
         };
         spec.spec_fingerprint = fingerprint(&spec);
@@ -400,6 +398,34 @@ mod tests {
         let mut empty = spec.clone();
         empty.layers[0].tensors[2].shape = vec![1, 0, 8];
         assert!(unsupported(&empty)[0].contains("holds nothing"), "{:?}", unsupported(&empty));
+        // A tail promised by a layer whose tensors exist for whole blocks only is malformed.
+        let mut tail = spec.clone();
+        tail.layers[0].takes_tail = true;
+        assert!(unsupported(&tail)[0].contains("whole block's only"), "{:?}", unsupported(&tail));
+    }
+
+    #[test]
+    fn a_layer_is_read_by_its_traits_and_extents_never_its_kind() {
+        // The same layer under another kind's name (a kind Rust has never heard of) behaves alike.
+        let mut renamed = pooled_spec();
+        renamed.layers[0].kind = 99;
+        renamed.layers[0].cache_class = "SomeNewCache".into();
+        assert_eq!(unsupported(&renamed), Vec::<String>::new());
+        assert_eq!(block_bytes(&renamed, Payload::Cache, 16), block_bytes(&pooled_spec(), Payload::Cache, 16));
+        assert!(tail_unsupported(&renamed).is_some() && !chains_blocks(&renamed));
+        assert_eq!(block_keys(&renamed, &(0..32).collect::<Vec<_>>()).len(), 1);
+        // A tensor that does not say how it grows is refused; a spec that says nothing of its
+        // traits is trusted with nothing: no tail, no layer inputs, no block ending with the last token.
+        let mut silent = small_spec();
+        silent.layers[1].tensors[0].extent = Extent::Unspecified as i32;
+        assert_eq!(unsupported(&silent), vec!["layer 1: tensor keys: no extent".to_owned()]);
+        let mut cautious = small_spec();
+        let layer = &mut cautious.layers[1];
+        (layer.rewindable, layer.takes_tail, layer.from_inputs) = (false, false, false);
+        assert!(tail_unsupported(&cautious).is_some() && chains_blocks(&cautious));
+        assert!(payload_unsupported(&cautious, Payload::LayerInputs).is_some());
+        assert_eq!(block_keys(&cautious, &(0..32).collect::<Vec<_>>()).len(), 1);
+        assert!(!chains_blocks(&small_spec()) && chains_blocks(&hybrid_spec()) && !chains_blocks(&pooled_spec()));
     }
 
     #[test]

@@ -17,7 +17,7 @@ use std::{
 use pdbridge_common::{
     process,
     proto::{
-        CacheKind, CacheSpec, Dtype,
+        CacheKind, CacheSpec, Dtype, Extent,
         engine::{self as wire, ErrorKind, reply::Reply as Answer, request::Op},
     },
     readiness::Readiness,
@@ -354,11 +354,14 @@ fn engine_info(reply: wire::InfoReply) -> Result<EngineInfo, EngineError> {
     spec.weights_fingerprint = reply.bundle_sha256;
     spec.tokenizer_fingerprint = reply.tokenizer_sha256;
     for layer in &spec.layers {
-        if layer.kind() == CacheKind::Unspecified {
+        if layer.kind == CacheKind::Unspecified as i32 {
             return Err(EngineError::Protocol(format!("layer {}: no cache kind", layer.index)));
         }
         if let Some(t) = layer.tensors.iter().find(|t| t.dtype() == Dtype::Unspecified) {
             return Err(EngineError::Protocol(format!("layer {} tensor {}: no dtype", layer.index, t.name)));
+        }
+        if let Some(t) = layer.tensors.iter().find(|t| t.extent() == Extent::Unspecified) {
+            return Err(EngineError::Protocol(format!("layer {} tensor {}: no extent", layer.index, t.name)));
         }
     }
     if spec.input_dtype() == Dtype::Unspecified {
@@ -550,6 +553,11 @@ mod tests {
         let mut reply: wire::InfoReply = serde_json::from_str(&golden("InfoReply.json")).unwrap();
         reply.spec.as_mut().unwrap().layers[3].kind = 0;
         assert!(matches!(engine_info(reply), Err(EngineError::Protocol(e)) if e.contains("layer 3")));
+        let mut reply: wire::InfoReply = serde_json::from_str(&golden("InfoReply.json")).unwrap();
+        reply.spec.as_mut().unwrap().layers[2].tensors[1].extent = 0;
+        assert!(
+            matches!(engine_info(reply), Err(EngineError::Protocol(e)) if e.contains("layer 2 tensor values: no extent"))
+        );
     }
 
     #[test]

@@ -38,9 +38,6 @@ pub enum EngineError {
 pub struct ModelProfile {
     pub architecture: String,
     pub num_layers: u32,
-    pub num_attention_heads: u32,
-    pub num_kv_heads: u32,
-    pub head_dim: u32,
     pub hidden_size: u32,
     pub vocab_size: u32,
     /// Each layer's rotary embedding; none for a plugin class (it applies the decoder's).
@@ -119,9 +116,6 @@ impl ModelProfile {
         struct HfConfig {
             architectures: Vec<String>,
             num_hidden_layers: u32,
-            num_attention_heads: u32,
-            num_key_value_heads: Option<u32>,
-            head_dim: Option<u32>,
             hidden_size: u32,
             vocab_size: u32,
         }
@@ -140,9 +134,6 @@ impl ModelProfile {
         Ok(ModelProfile {
             architecture,
             num_layers: config.num_hidden_layers,
-            num_attention_heads: config.num_attention_heads,
-            num_kv_heads: config.num_key_value_heads.unwrap_or(config.num_attention_heads),
-            head_dim: config.head_dim.unwrap_or(config.hidden_size / config.num_attention_heads),
             hidden_size: config.hidden_size,
             vocab_size: config.vocab_size,
             ropes,

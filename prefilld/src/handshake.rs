@@ -72,9 +72,6 @@ pub fn mismatches(profile: &ModelProfile, spec: &CacheSpec) -> Vec<String> {
     let mut out = Vec::new();
     differ(&mut out, "architecture", &profile.architecture, &spec.architecture);
     differ(&mut out, "layers", profile.num_layers, spec.num_layers);
-    differ(&mut out, "attention heads", profile.num_attention_heads, spec.num_attention_heads);
-    differ(&mut out, "kv heads", profile.num_kv_heads, spec.num_kv_heads);
-    differ(&mut out, "head dim", profile.head_dim, spec.head_dim);
     differ(&mut out, "hidden size", profile.hidden_size, spec.hidden_size);
     differ(&mut out, "vocab", profile.vocab_size, spec.vocab_size);
     differ(&mut out, "tokenizer", &profile.tokenizer_fingerprint, &spec.tokenizer_fingerprint);
@@ -330,9 +327,6 @@ mod tests {
         ModelProfile {
             architecture: "LlamaForCausalLM".into(),
             num_layers: 2,
-            num_attention_heads: 9,
-            num_kv_heads: 3,
-            head_dim: 64,
             hidden_size: 576,
             vocab_size: 49152,
             ropes: vec![HfRope { kind: "default".into(), theta: 1e5, scaling: Default::default() }; 2],
@@ -344,9 +338,6 @@ mod tests {
         CacheSpec {
             architecture: "LlamaForCausalLM".into(),
             num_layers: 2,
-            num_attention_heads: 9,
-            num_kv_heads: 3,
-            head_dim: 64,
             hidden_size: 576,
             vocab_size: 49152,
             tokenizer_fingerprint: "tok".into(),
@@ -370,12 +361,12 @@ mod tests {
     #[test]
     fn every_disagreement_is_named() {
         let mut spec = matching_spec();
-        spec.num_kv_heads = 4;
+        spec.hidden_size = 640;
         spec.tokenizer_fingerprint = "other".into();
         spec.layers[1].rope.as_mut().unwrap().base = 1e4;
         let found = mismatches(&profile(), &spec);
         let joined = found.join("\n");
-        for needle in ["kv heads", "tokenizer", "layer 1 rope base"] {
+        for needle in ["hidden size", "tokenizer", "layer 1 rope base"] {
             assert!(joined.contains(needle), "{needle} not reported in:\n{joined}");
         }
         assert_eq!(found.len(), 3, "{joined}");
@@ -411,7 +402,7 @@ mod tests {
         use std::pin::Pin;
 
         use pdbridge_common::proto::{
-            BundleChunk, CacheKind, DecoderCode, Dtype, LookupRequest, LookupResponse, PushFrame, PushReceipt,
+            BundleChunk, CacheKind, DecoderCode, Dtype, Extent, LookupRequest, LookupResponse, PushFrame, PushReceipt,
             TensorSpec,
             cache_store_server::{CacheStore, CacheStoreServer},
         };
@@ -459,11 +450,13 @@ mod tests {
             spec.block_tokens = 16;
             for layer in &mut spec.layers {
                 layer.set_kind(CacheKind::Rows);
+                (layer.rewindable, layer.takes_tail, layer.from_inputs) = (true, true, true);
                 layer.tensors = vec![TensorSpec {
                     name: "keys".into(),
                     dtype: Dtype::F32 as i32,
                     shape: vec![1, 3, 1, 64],
                     token_axis: 2,
+                    extent: Extent::PerToken as i32,
                 }];
             }
             spec.weights_fingerprint = weights.to_owned();

@@ -191,7 +191,7 @@ impl Bridge {
             "block_tokens": plan.block_tokens,
             "first_block": plan.first_block,
             // A recurrent state after a block scans every block before it: the plugin runs them all.
-            "from_block": if spec::has_snapshots(&decoder.spec) { 0 } else { plan.first_block },
+            "from_block": if spec::chains_blocks(&decoder.spec) { 0 } else { plan.first_block },
             "num_blocks": plan.num_blocks(),
             "tail_tokens": plan.tail_tokens,
             "payload": match job.payload {
@@ -728,10 +728,11 @@ mod tests {
 
     #[test]
     fn a_plan_covers_the_storable_whole_blocks_and_the_tail_it_may_carry() {
+        // What a plan reads is the layer's traits: rows are rewindable and take a tail, pools neither.
         let spec = |kind: CacheKind| {
-            let mut layer = LayerSpec::default();
-            layer.set_kind(kind);
-            CacheSpec { block_tokens: 4, layers: vec![layer], ..Default::default() }
+            let rows = kind == CacheKind::Rows;
+            let layer = LayerSpec { rewindable: rows, takes_tail: rows, from_inputs: true, ..Default::default() };
+            CacheSpec { block_tokens: 4, layers: vec![LayerSpec { kind: kind as i32, ..layer }], ..Default::default() }
         };
         let tokens: Vec<u32> = (0..27).collect();
         let rows = Plan::new(&spec(CacheKind::Rows), &tokens, 2, true);

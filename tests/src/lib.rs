@@ -154,17 +154,17 @@ pub fn fixed_spec_config(dir: &Path, store_dir: &Path, block_tokens: u32, extra:
     std::fs::write(&bundle, &bundle_bytes).unwrap();
     let sha: String = sha2::Sha256::digest(&bundle_bytes).iter().map(|b| format!("{b:02x}")).collect();
     let layer = |index: u32| {
-        let tensor = |name: &str| serde_json::json!({"name": name, "dtype": "DTYPE_F32", "shape": [1, 2, 1, 8], "token_axis": 2});
+        let tensor = |name: &str| serde_json::json!({"name": name, "dtype": "DTYPE_F32", "shape": [1, 2, 1, 8], "token_axis": 2, "extent": "EXTENT_PER_TOKEN"});
         serde_json::json!({
             "index": index, "cache_class": "KVCache", "kind": "CACHE_KIND_ROWS", "tensors": [tensor("keys"), tensor("values")],
+            "rewindable": true, "takes_tail": true, "from_inputs": true,
             "rope": {"kind": "default", "module": "RoPE", "base": 10000.0, "traditional": false, "dims": 8},
         })
     };
     let info = serde_json::json!({
         "model_id": "fixed-spec", "bundle_path": bundle, "bundle_sha256": sha, "tokenizer_sha256": "00",
         "spec": {
-            "architecture": "LlamaForCausalLM", "num_layers": 2, "num_attention_heads": 4, "num_kv_heads": 2,
-            "head_dim": 8, "hidden_size": 32, "vocab_size": 49152, "max_context": 8192,
+            "architecture": "LlamaForCausalLM", "num_layers": 2, "hidden_size": 32, "vocab_size": 49152, "max_context": 8192,
             "block_tokens": block_tokens, "layers": [layer(0), layer(1)],
             "decoder_code": {"model_type": "llama", "mlx": "0.32.4", "mlx_lm": "0.32.2"}, "input_dtype": "DTYPE_F32",
         },

@@ -19,7 +19,7 @@ import numpy as np
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
-from .kinds import ROWS, TOKEN_AXIS, codec_for
+from .kinds import PER_TOKEN, codec_for
 from .layers import CachePath
 
 
@@ -58,7 +58,7 @@ def native_prefill(model: Any, tokens: list[int], prefill_step_size: int, kv_arg
                 pass
             if block_tokens:
                 ends.append({layer: codec_for(c).block_tensors(c, len(chunk)) for layer, c in enumerate(cache)
-                             if codec_for(c).kind != ROWS})
+                             if codec_for(c).extent != PER_TOKEN})
     finally:
         for block, norm in zip(blocks, norms):
             block.input_layernorm = norm
@@ -97,7 +97,7 @@ def same_input(model: Any, cache_path: CachePath, tokens: list[int], block_token
     exports; otherwise in one go, chunked as generation chunks it (not along block boundaries)."""
     by_block = block_tokens if cache_path.per_block else None
     cache, hidden, ends = native_prefill(model, tokens, prefill_step_size, kv_args, by_block)
-    native = [codec_for(c).tensors(c) if codec_for(c).kind == ROWS else {} for c in cache]
+    native = [codec_for(c).tensors(c) if codec_for(c).extent == PER_TOKEN else {} for c in cache]
     result = Conformance()
     processed = hidden[0].shape[0]
     states = cache_path.new_states()
@@ -105,11 +105,12 @@ def same_input(model: Any, cache_path: CachePath, tokens: list[int], block_token
         hi = min(lo + block_tokens, processed)
         block_inputs = mx.stack([hidden[layer][lo:hi] for layer in cache_path.layers], axis=1)
         for layer, name, got in cache_path.block(block_inputs, lo, states=states):
-            if codec_for(cache[layer]).kind != ROWS:
+            codec = codec_for(cache[layer])
+            if codec.extent != PER_TOKEN:
                 result.add(got, ends[k][layer][name])
                 continue
-            want = native[layer][name]
-            first = cache[layer].offset - want.shape[TOKEN_AXIS]  # the first token the cache still holds
+            want, axis = native[layer][name], codec.token_axis
+            first = cache[layer].offset - want.shape[axis]  # the first token the cache still holds
             if lo >= first:
-                result.add(got, want[..., lo - first:hi - first, :])
+                result.add(got, want[(slice(None),) * axis + (slice(lo - first, hi - first),)])
     return result

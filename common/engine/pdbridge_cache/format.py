@@ -13,6 +13,17 @@ SNAPSHOT = "CACHE_KIND_SNAPSHOT"  # a block holds the layer's recurrent state af
 POOLED = "CACHE_KIND_POOLED"  # a block holds the window after its last token and the groups it pooled
 UNSUPPORTED = "CACHE_KIND_UNSUPPORTED"  # the layer cannot be bridged; the spec says why
 
+# Extents: the names of `pdbridge.v1.Extent`, how a tensor's shape follows the rows R a block holds.
+PER_TOKEN = "EXTENT_PER_TOKEN"  # R along the token axis (the spec's shape is one token's)
+FIXED = "EXTENT_FIXED"  # the same shape whatever R (a recurrent state)
+PER_BLOCK = "EXTENT_PER_BLOCK"  # a whole block's shape; a partial block has none
+
+# A layer's traits: `pdbridge.v1.LayerSpec`'s fields of the same names, each unset (False) when
+# the spec says nothing. `rewindable`: a restored cache can drop rows, so a stored block may end
+# with a prompt's last token; `takes_tail`: a partial block can be stored; `from_inputs`: a block
+# is computed from that block's layer inputs alone (no state carried from the blocks before it).
+TRAITS = ("rewindable", "takes_tail", "from_inputs")
+
 # Element types: the safetensors dtype names files carry, and `pdbridge.v1.Dtype`'s names for them.
 SAFETENSORS_DTYPES = ("F32", "F16", "BF16", "U32", "I32", "U8")
 PROTO_DTYPES = {name: f"DTYPE_{name}" for name in SAFETENSORS_DTYPES}
@@ -33,6 +44,19 @@ BUNDLE_FORMAT = "pdbridge-bundle-v2"  # metadata "format"
 # Files whose bytes define how text becomes token ids, hashed in this order (the spec's
 # tokenizer fingerprint), as prefilld hashes its model's.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def tensor_shape(tensor: dict, rows: int, block_tokens: int) -> tuple[int, ...] | None:
+    """The shape of a spec's tensor (a `pdbridge.v1.TensorSpec` as a proto3-JSON dict) in a block of
+    `rows` tokens, as its extent says; None where it has none (a whole block's tensor in a partial
+    block). `common::spec::rows_tensor` is the Rust side of the same rule."""
+    shape = [int(d) for d in tensor["shape"]]
+    extent = tensor.get("extent")
+    if extent == PER_TOKEN:
+        shape[int(tensor.get("token_axis", 0))] = rows
+    elif extent == PER_BLOCK and rows != block_tokens or extent not in (PER_TOKEN, FIXED, PER_BLOCK):
+        return None
+    return tuple(shape)
 
 
 def proto_dtype(safetensors_name: str) -> str:

@@ -2,15 +2,14 @@
 
 For layer l, mlx-lm's decoder block computes ``self_attn(input_layernorm(h_l), mask, cache)`` and
 the attention module hands its finished keys and values (after its projections, norms, biases and
-RoPE) to ``cache.update_and_fetch``. `CachePath` calls the same two modules on a captured h_l with a
-recording cache in that place: the recorder gives k and v to an empty instance of the decoder's own
-cache class (so a QuantizedKVCache quantizes exactly as the decoder's does) and then aborts the
-attention, so queries, SDPA and the output projection never run (MLX is lazy: the query path is
-never even evaluated). A recurrent layer (``linear_attn``, e.g. a gated delta-net) runs whole on
-its block with the request's state so far, which it advances: its output is never evaluated,
-its state is the block's. A pooled layer (DeepSeek-V4.1's window and compressor) runs its whole
-attention module into an empty cache of its class; only the cache is evaluated. No architecture's
-math is ported here: a model mlx-lm runs, this runs.
+RoPE) to ``cache.update_and_fetch``. `CachePath` calls the block's input norm on a captured h_l and
+hands the result to the layer's codec (`kinds.Codec.compute`) with the module its codec names and
+an empty cache of the decoder's own class — or, for a layer not computed from its block's inputs
+alone (a recurrent state), the request's state so far, which it advances. A codec of per-token rows
+records k and v and aborts the attention, so queries, SDPA and the output projection never run (MLX
+is lazy: the query path is never even evaluated); a recurrent or pooled layer runs its module whole
+and only its cache is evaluated. No architecture's math is ported here: a model mlx-lm runs, this
+runs.
 
 The *bundle* carries what that needs: the decoder's config and, per layer, the input norm and the
 attention parameters its cache depends on (found by probing: a parameter group is shipped when
@@ -31,12 +30,10 @@ import mlx.core as mx
 import mlx_lm
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .kinds import POOLED, ROWS, SNAPSHOT, codec_for, decoder_caches
+from .kinds import PER_TOKEN, codec_for, decoder_caches
 from .format import BUNDLE_FORMAT
 from .safetensors_io import DTYPE_NAMES, dtype_name
 
-# The module of a decoder block that writes its cache: attention, or a recurrent layer's.
-_ATTENTION, _RECURRENT = "self_attn", "linear_attn"
 # A parameter of layer N's cache path: its input norm or a parameter of that module (its path there).
 _LAYER_PARAM = re.compile(r"(?:^|\.)layers\.(\d+)\.(input_layernorm|self_attn|linear_attn)\.(.+)$")
 # mlx-lm's RoPE modules, by the rope type a HF config names (what vLLM applies).
@@ -55,20 +52,6 @@ class BundleError(Exception):
     def __init__(self, message: str, *, unreadable: bool = False):
         super().__init__(message)
         self.unreadable = unreadable
-
-
-class _Recorded(Exception):
-    """Raised by the recorder once the attention module has handed over its keys and values."""
-
-
-class _Recorder:
-    def __init__(self, inner: Any, offset: int):
-        self.inner = inner
-        self.offset = offset  # the position of the block's first token, for RoPE
-
-    def update_and_fetch(self, keys: mx.array, values: mx.array):
-        self.inner.update_and_fetch(keys, values)
-        raise _Recorded
 
 
 def _owner(name: str) -> str:
@@ -131,7 +114,8 @@ class CachePath:
         return CachePath(self.model, self.templates, self.dtype, [lay for lay in self.layers if lay in keep])
 
     def is_recurrent(self, layer: int) -> bool:
-        return codec_for(self.templates[layer]).kind == SNAPSHOT
+        """Whether the layer carries a state from block to block (its codec is not `from_inputs`)."""
+        return not codec_for(self.templates[layer]).from_inputs
 
     @property
     def recurrent(self) -> bool:
@@ -142,12 +126,12 @@ class CachePath:
     def per_block(self) -> bool:
         """Whether blocks must be computed one by one: a layer's tensors are not one row per token
         (a state, or a window and pools), so several blocks' tensors cannot be cut from one call."""
-        return any(codec_for(self.templates[layer]).kind != ROWS for layer in self.layers)
+        return any(codec_for(self.templates[layer]).extent != PER_TOKEN for layer in self.layers)
 
     def module(self, layer: int) -> Any:
-        """The decoder's module that writes layer `layer`'s cache (attention, or recurrent)."""
+        """The decoder's module that writes layer `layer`'s cache (the one its codec names)."""
         block = self.model.layers[layer]
-        name = _RECURRENT if self.is_recurrent(layer) else _ATTENTION
+        name = codec_for(self.templates[layer]).module
         module = getattr(block, name, None)
         if module is None:
             raise RuntimeError(f"layer {layer}: the decoder's block has no {name} module for its "
@@ -162,20 +146,12 @@ class CachePath:
         template = self.templates[layer]
         codec = codec_for(template)
         x = block.input_layernorm(hidden.astype(self.dtype))
-        if codec.kind == SNAPSHOT:
-            state = state if state is not None else codec.fresh(template)
-            self.module(layer)(x, None, state)
-            return codec.tensors(state)
-        if codec.kind == POOLED:
-            pooled = codec.fresh(template)
-            codec.fill(self.module(layer), x, offset, pooled)
-            return codec.block_tensors(pooled, x.shape[1])
-        inner = codec.fresh(template)
+        module = self.module(layer)
+        cache = state if state is not None else codec.fresh(template)
         try:
-            self.module(layer)(x, mask=None, cache=_Recorder(inner, offset))
-        except _Recorded:
-            return codec.tensors(inner)
-        raise RuntimeError(f"layer {layer}: the attention module never wrote its cache")
+            return codec.compute(module, x, offset, cache)
+        except RuntimeError as e:
+            raise RuntimeError(f"layer {layer}: {e}") from None
 
     def new_states(self) -> dict[int, Any]:
         """Empty states of the recurrent layers, for a request's first block."""

@@ -11,6 +11,7 @@ import unittest
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.utils
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import CacheList, KVCache, make_prompt_cache
 
@@ -226,11 +227,96 @@ class CacheKindsTest(unittest.TestCase):
                                bundle_dir=self.tmp.name)
                 self.assertIn(reason, other.spec["layers"][3]["unsupported_reason"])
 
+    def test_llama4_chunked_attention_rows_are_the_decoders_and_restore_at_any_token(self):
+        """Llama 4 (ChunkedKVCache on three layers of four: RoPE'd, q/k-normed keys, of which the
+        decoder keeps the last `attention_chunk_size` rows; a NoPE KVCache on every fourth): a codec
+        of per-token rows, so its spec is the rows' (rewindable, tails, from layer inputs) and no
+        reader needs to know it. Reconstructed from the decoder's own layer inputs through a bundle,
+        every row the decoder still holds is its own, bit for bit (a chunk of 80 tokens straddles
+        the 64-token blocks and the 96-token prefill steps), and a cache restored from the
+        reconstructed blocks and a tail answers as the decoder does."""
+        from mlx_lm.models import llama4
+        from mlx_lm.models.cache import ChunkedKVCache
+
+        from pdbridge_cache.safetensors_io import serialize
+
+        text = {"model_type": "llama4_text", "attention_bias": False, "attention_chunk_size": 80, "head_dim": 16,
+                "hidden_size": 64, "interleave_moe_layer_step": 2, "intermediate_size": 64,
+                "intermediate_size_mlp": 128, "max_position_embeddings": 4096, "num_attention_heads": 4,
+                "num_experts_per_tok": 1, "num_hidden_layers": 4, "num_key_value_heads": 2, "num_local_experts": 2,
+                "rms_norm_eps": 1e-5, "rope_scaling": None, "rope_theta": 5e5, "use_qk_norm": True,
+                "vocab_size": 49152}
+        config = {"model_type": "llama4", "text_config": text}
+        mx.random.seed(4)
+        model = llama4.Model(llama4.ModelArgs.from_dict(config))
+        model.update(mlx.utils.tree_map(lambda a: a * 4, model.parameters()))  # wider than the init, as trained
+        mx.eval(model.parameters())
+
+        caches = make_prompt_cache(model)
+        model(mx.zeros((1, BLOCK), mx.int32), cache=caches)
+        layers = [kinds.describe(i, c) for i, c in enumerate(caches)]
+        self.assertEqual([l["cache_class"] for l in layers], ["ChunkedKVCache"] * 3 + ["KVCache"])
+        for layer in layers:
+            self.assertEqual((layer["kind"], layer["rewindable"], layer["takes_tail"], layer["from_inputs"]),
+                             (kinds.ROWS, True, True, True))
+            self.assertEqual([(t["name"], t["shape"], t["token_axis"], t["extent"]) for t in layer["tensors"]],
+                             [(n, [1, 2, 1, 16], 2, kinds.PER_TOKEN) for n in ("keys", "values")])
+
+        templates = make_prompt_cache(model)
+        decoder = CachePath(model, templates, mx.float32)
+        params = decoder.needed_params(probe_tokens=BLOCK)
+        shipped = {re.sub(r"^.*layers\.\d+\.", "", name).rsplit(".", 1)[0] for name, _ in params}
+        self.assertEqual(shipped, {"input_layernorm", "self_attn.k_proj", "self_attn.v_proj"})
+        bundle = Path(self.tmp.name, "llama4-bundle.safetensors")
+        bundle.write_bytes(serialize(params, decoder.bundle_metadata(config, 0, 64)))
+        path = CachePath.from_bundle(str(bundle))
+        self.assertEqual({type(c) for c in path.templates}, {ChunkedKVCache, KVCache})
+        self.assertFalse(path.per_block or path.recurrent)
+        result = same_input(model, path, self.tokens, BLOCK, STEP, {})
+        self.assertGreater(result.tensors_total, 6 * 2)  # more than the full-attention layer's rows
+        self.assertEqual(result.tensors_exact, result.tensors_total, result)
+
+        # Restored from reconstructed blocks and a tail at 3 blocks and 17 tokens (past two chunks).
+        n = 3 * BLOCK + 17
+        _, hidden, _ = native_prefill(model, self.tokens[:n], STEP, {})
+        parts: list[dict[str, list]] = [{} for _ in hidden]
+        for lo in range(0, n, BLOCK):
+            block = mx.stack([h[lo:lo + BLOCK] for h in hidden], axis=1)
+            for layer, name, array in path.block(block, lo):
+                parts[layer].setdefault(name, []).append(array)
+        restored = kinds.restore(templates, parts, n, mx.float32)
+        self.assertEqual([(c.offset, c.keys.shape[2]) for c in restored[:3]], [(n, 80)] * 3)
+
+        def greedy(cache, tokens):
+            steps = generate_step(mx.array(tokens), model, prompt_cache=cache, max_tokens=12, prefill_step_size=STEP)
+            return [int(t) for t, _ in steps]
+
+        self.assertEqual(greedy(restored, self.tokens[n:]), greedy(make_prompt_cache(model), self.tokens))
+
+    def test_every_codec_declares_its_kind_extent_and_traits(self):
+        """What the spec publishes comes from each codec's declaration, and the rules readers apply
+        to it are written once (`format.tensor_shape`, the Python side of `spec::rows_tensor`)."""
+        from pdbridge_cache.format import tensor_shape
+
+        for cls, codec in kinds._CODECS.items():
+            with self.subTest(cache=cls.__name__):
+                self.assertIn(codec.kind, (kinds.ROWS, kinds.SNAPSHOT, kinds.POOLED))
+                self.assertIn(codec.extent, (kinds.PER_TOKEN, kinds.FIXED, kinds.PER_BLOCK))
+                self.assertFalse(codec.extent == kinds.PER_BLOCK and codec.takes_tail, "a whole block's has no tail")
+        rows = {"shape": ["1", "3", "1", "64"], "token_axis": 2, "extent": kinds.PER_TOKEN}
+        state = {"shape": [1, 3, 32], "token_axis": 0, "extent": kinds.FIXED}
+        pools = {"shape": [1, 4, 8], "token_axis": 1, "extent": kinds.PER_BLOCK}
+        self.assertEqual([tensor_shape(t, 5, 16) for t in (rows, state, pools)], [(1, 3, 5, 64), (1, 3, 32), None])
+        self.assertEqual([tensor_shape(t, 16, 16) for t in (rows, state, pools)],
+                         [(1, 3, 16, 64), (1, 3, 32), (1, 4, 8)])
+        self.assertIsNone(tensor_shape({"shape": [1], "token_axis": 0}, 16, 16), "no extent, no shape")
+
     def test_a_cache_without_a_codec_is_described_as_unsupported(self):
         cache = CacheList(KVCache(), KVCache())
         layer = kinds.describe(3, cache)
         self.assertEqual((layer["kind"], layer["index"], layer["tensors"]), (kinds.UNSUPPORTED, 3, []))
         self.assertIn("sub-caches", layer["unsupported_reason"])
+        self.assertEqual([layer[t] for t in ("rewindable", "takes_tail", "from_inputs")], [False] * 3)
         with self.assertRaises(kinds.UnsupportedCache):
             kinds.codec_for(cache)
 

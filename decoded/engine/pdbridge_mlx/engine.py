@@ -28,7 +28,7 @@ from mlx_lm.sample_utils import make_logits_processors, make_sampler
 from google.protobuf import json_format
 from pdbridge_cache import kinds
 from pdbridge_cache.format import (
-    BLOCK_FORMAT, DATA_SHA256, ROOT_KEY, TOKENIZER_FILES, proto_dtype, safetensors_dtype,
+    BLOCK_FORMAT, DATA_SHA256, PER_TOKEN, ROOT_KEY, TOKENIZER_FILES, proto_dtype, safetensors_dtype, tensor_shape,
 )
 from pdbridge_cache.layers import CachePath, effective_rope, versions
 from pdbridge_cache.proto import bridge_pb2, engine_pb2
@@ -104,10 +104,14 @@ class Engine:
         # The spec as proto3 JSON (a dict): what `info` publishes, and what blocks are held to.
         self.spec = self._make_spec(layer_specs, dtype)
         bridged = [l["index"] for l in layer_specs if l["kind"] != kinds.UNSUPPORTED]
-        self.recurrent = any(l["kind"] == kinds.SNAPSHOT for l in layer_specs)
         self.cache_path = CachePath(self.model, self.templates, dtype, bridged)
-        # A recurrent state or a pooled layer's blocks cannot be rewound: no stored block may end with
-        # a prompt's last token, and the decoder's own cache is cut into blocks prefill by prefill.
+        # A layer carrying a state from block to block cannot be computed from one block's inputs.
+        self.recurrent = self.cache_path.recurrent
+        # A layer that is not rewindable (a state, a pooled layer's blocks): no stored block may end
+        # with a prompt's last token.
+        self.rewindable = all(l["rewindable"] for l in layer_specs if l["index"] in bridged)
+        # A layer whose tensors are not per-token rows: the decoder's own cache is cut into blocks
+        # prefill by prefill.
         self.per_block = self.cache_path.per_block
         params = self.cache_path.needed_params(probe_tokens=block_tokens)
         bundle_bytes = serialize(params, self.cache_path.bundle_metadata(self.config, kv_bits or 0, kv_group_size))
@@ -161,17 +165,15 @@ class Engine:
         """The `pdbridge.v1.CacheSpec` as proto3 JSON, but for what decoded fills in (the model
         id and the fingerprints)."""
         cfg = self.config
-        heads = int(cfg["num_attention_heads"])
         architectures = cfg.get("architectures") or [cfg["model_type"]]
+        # A multimodal checkpoint (Llama 4) keeps the language model's shape under text_config.
+        text = {**cfg, **(cfg.get("text_config") or {})}
         return {
             "architecture": architectures[0],
             "num_layers": self.num_layers,
-            "num_attention_heads": heads,
-            "num_kv_heads": int(cfg.get("num_key_value_heads") or heads),
-            "head_dim": int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads),
-            "hidden_size": int(cfg["hidden_size"]),
-            "vocab_size": int(cfg["vocab_size"]),
-            "max_context": int(cfg.get("max_position_embeddings") or 0),
+            "hidden_size": int(text["hidden_size"]),
+            "vocab_size": int(text["vocab_size"]),
+            "max_context": int(text.get("max_position_embeddings") or 0),
             "block_tokens": self.block_tokens,
             "layers": layers,
             "decoder_code": {"model_type": str(cfg["model_type"]), **versions()},
@@ -304,13 +306,13 @@ class Engine:
             ):
                 pass
             states.append({layer: kinds.codec_for(c).block_tensors(c, block_tokens) for layer, c in enumerate(cache)
-                           if kinds.codec_for(c).kind != kinds.ROWS})
+                           if kinds.codec_for(c).extent != PER_TOKEN})
         prefill_ms = ms(start)
 
         t_write = time.perf_counter()
         prefilled = sum(len(c) for c in chunks) if n else 0
         rows = {layer: kinds.codec_for(c).tensors(c) for layer, c in enumerate(cache)
-                if n and kinds.codec_for(c).kind == kinds.ROWS}
+                if n and kinds.codec_for(c).extent == PER_TOKEN}
         for layer, r in rows.items():
             if any(a.shape[kinds.TOKEN_AXIS] != prefilled for a in r.values()):
                 raise BadRequest(f"layer {layer}'s {type(cache[layer]).__name__} no longer holds every "
@@ -382,7 +384,7 @@ class Engine:
         if tail is not None:
             files.append((tail, tokens[len(paths) * B:len(tokens) - 1]))
         covered = sum(len(ids) for _, ids in files)
-        if self.per_block and covered > len(tokens) - 1:
+        if not self.rewindable and covered > len(tokens) - 1:
             raise BadRequest(f"blocks cover {covered} of {len(tokens)} tokens: a recurrent state or pooled cache "
                              "cannot be rewound, so they must end before the prompt's last token")
         for i, (path, ids) in enumerate(files):
@@ -419,16 +421,13 @@ class Engine:
         if "pdb_token_ids" in meta and meta["pdb_token_ids"] != ",".join(map(str, block_ids)):
             start = index * self.block_tokens
             raise BadRequest(f"{where}: holds other tokens than the prompt's tokens {start}..{start + B}")
-        def shape(layer: dict, t: dict) -> tuple:
-            if layer["kind"] != kinds.ROWS:  # a state or a block's pools: the same shape whatever the rows
-                return tuple(t["shape"])
-            return tuple(B if i == t["token_axis"] else d for i, d in enumerate(t["shape"]))
-
         expected = {
-            f"{layer['index']}.{t['name']}": (safetensors_dtype(t["dtype"]), shape(layer, t))
+            f"{layer['index']}.{t['name']}": (safetensors_dtype(t["dtype"]), tensor_shape(t, B, self.block_tokens))
             for layer in self.spec["layers"]
             for t in layer["tensors"]
         }
+        if partial := sorted(name for name, (_, shape) in expected.items() if shape is None):
+            raise BadRequest(f"{where}: {B} tokens, but {', '.join(partial[:4])} exist for whole blocks only")
         if missing := sorted(set(expected) - set(arrays)):
             raise BadRequest(f"{where}: missing tensors {', '.join(missing[:4])}")
         if extra := sorted(set(arrays) - set(expected)):

@@ -191,22 +191,20 @@ class AdapterTest(unittest.TestCase):
         self.assertEqual(spec["architecture"], "LlamaForCausalLM")
         self.assertEqual(spec["input_dtype"], "DTYPE_F32")
         self.assertEqual(
-            {k: spec[k] for k in ("num_layers", "num_attention_heads", "num_kv_heads", "head_dim",
-                                  "hidden_size", "vocab_size", "max_context", "block_tokens")},
-            {"num_layers": 30, "num_attention_heads": 9, "num_kv_heads": 3, "head_dim": 64,
-             "hidden_size": 576, "vocab_size": 49152, "max_context": 8192, "block_tokens": BLOCK},
+            {k: spec[k] for k in ("num_layers", "hidden_size", "vocab_size", "max_context", "block_tokens")},
+            {"num_layers": 30, "hidden_size": 576, "vocab_size": 49152, "max_context": 8192, "block_tokens": BLOCK},
         )
         self.assertEqual(len(spec["layers"]), 30)
         for i, layer in enumerate(spec["layers"]):
             self.assertEqual(layer, {
                 "index": i, "cache_class": "KVCache",
                 # uint64 in proto3 JSON: strings
-                "tensors": [{"name": n, "dtype": "DTYPE_F32", "shape": ["1", "3", "1", "64"], "token_axis": 2}
-                            for n in ("keys", "values")],
+                "tensors": [{"name": n, "dtype": "DTYPE_F32", "shape": ["1", "3", "1", "64"], "token_axis": 2,
+                             "extent": "EXTENT_PER_TOKEN"} for n in ("keys", "values")],
                 "rope": {"kind": "default", "module": "RoPE", "base": 100000.0, "traditional": False, "dims": 64,
                          "scaling": {}},
                 "window": 0, "keep": 0, "kv_bits": 0, "kv_group_size": 0, "kind": "CACHE_KIND_ROWS",
-                "unsupported_reason": "",
+                "unsupported_reason": "", "rewindable": True, "takes_tail": True, "from_inputs": True,
             })
         # What decoded fills in is left to it.
         self.assertEqual(self.info["model_id"], MODEL.name)
