@@ -41,6 +41,7 @@ fast() {
   py_suite -s common/engine/tests
   py_suite -s decoded/engine/tests -p 'test_golden.py'
   py_suite -s decoded/engine/tests -p 'test_stop_text.py'
+  py_suite -s prefilld/engine/tests -p 'test_params.py'
 }
 
 # Two streams side by side, each mostly one core (the CPU decoder computes on one): the end-to-end

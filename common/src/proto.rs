@@ -81,6 +81,7 @@ mod tests {
                 "ReconstructRequest" => round_trip::<engine::ReconstructRequest>(&text),
                 "ReconstructReply" => round_trip::<engine::ReconstructReply>(&text),
                 "Error" => round_trip::<engine::Error>(&text),
+                "PluginParams" => round_trip::<engine::PluginParams>(&text),
                 other => Err(format!("{other} is not a message of engine.proto")),
             };
             seen.insert(message.to_owned());
@@ -90,7 +91,7 @@ mod tests {
         }
         assert!(failures.is_empty(), "{}", failures.join("\n"));
         // One golden file at least per message.
-        assert_eq!(seen.len(), 17, "{seen:?}");
+        assert_eq!(seen.len(), 18, "{seen:?}");
     }
 
     /// A spec's proto3 JSON spells enums by name and takes the proto field names or lowerCamelCase.

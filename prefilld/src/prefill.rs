@@ -15,7 +15,8 @@ use bytes::Bytes;
 use pdbridge_common::{
     proto::{
         self, CacheSpec, Dtype, LookupRequest, Outcome, Payload, PrefillEvent, Progress, PushFrame, PushOpen,
-        PushReceipt, PushSeal, outcome::Status as OutcomeStatus, prefill_event::Event, push_frame::Frame,
+        PushReceipt, PushSeal, engine::PluginParams, outcome::Status as OutcomeStatus, prefill_event::Event,
+        push_frame::Frame,
     },
     reason::Reason,
     shard::{self, TensorId},
@@ -181,24 +182,22 @@ impl Bridge {
         fail(reason, status.message())
     }
 
-    /// The plugin's parameters for one request (`kv_transfer_params.pdbridge`).
+    /// The plugin's parameters for one request (`kv_transfer_params.pdbridge`), in proto3 JSON.
     fn plugin_params(&self, decoder: &Decoder, job: &Job, plan: &Plan) -> serde_json::Value {
-        serde_json::json!({
-            "request_id": job.request_id,
-            "socket": self.router.socket_path().display().to_string(),
-            "bundle_path": decoder.bundle_path,
-            "bundle_sha256": decoder.spec.weights_fingerprint,
-            "block_tokens": plan.block_tokens,
-            "first_block": plan.first_block,
-            // A recurrent state after a block scans every block before it: the plugin runs them all.
-            "from_block": if spec::chains_blocks(&decoder.spec) { 0 } else { plan.first_block },
-            "num_blocks": plan.num_blocks(),
-            "tail_tokens": plan.tail_tokens,
-            "payload": match job.payload {
-                Payload::Cache => "cache",
-                Payload::LayerInputs => "layer_inputs",
-            },
-        })
+        let params = PluginParams {
+            request_id: job.request_id.clone(),
+            socket: self.router.socket_path().display().to_string(),
+            bundle_path: decoder.bundle_path.display().to_string(),
+            bundle_sha256: decoder.spec.weights_fingerprint.clone(),
+            block_tokens: plan.block_tokens,
+            first_block: plan.first_block,
+            // A state carried from block to block scans every block before it: the plugin runs them all.
+            from_block: Some(if spec::chains_blocks(&decoder.spec) { 0 } else { plan.first_block }),
+            num_blocks: plan.num_blocks(),
+            tail_tokens: plan.tail_tokens,
+            payload: job.payload as i32,
+        };
+        serde_json::to_value(&params).expect("the plugin's parameters are JSON")
     }
 
     /// Cuts one block's tensors into shards (slices of `payload`, no copies)

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from google.protobuf import json_format
+from pdbridge_cache.proto import bridge_pb2, engine_pb2
 
 from . import protocol
 
@@ -33,9 +35,10 @@ CACHE, LAYER_INPUTS = "cache", "layer_inputs"
 
 @dataclass
 class BridgeParams:
-    """The request's ``kv_transfer_params["pdbridge"]``, validated. Keys it does not name are
-    ignored. What binds the plugin's arithmetic to the decoder is the bundle, held to
-    ``bundle_sha256`` (the spec fingerprint is prefilld's to check, at the handshake)."""
+    """The request's ``kv_transfer_params["pdbridge"]``: an ``engine_pb2.PluginParams`` in proto3
+    JSON (proto/engine.proto documents every field), validated; a key or value the schema does not
+    name is refused. What binds the plugin's arithmetic to the decoder is the bundle, held to ``bundle_sha256`` (the
+    spec fingerprint is prefilld's to check, at the handshake)."""
 
     request_id: str
     socket: str
@@ -60,28 +63,22 @@ class BridgeParams:
         if not isinstance(raw, dict):
             raise ValueError("pdbridge params must be an object")
         try:
-            p = cls(
-                request_id=str(raw["request_id"]),
-                socket=str(raw["socket"]),
-                bundle_path=str(raw["bundle_path"]),
-                bundle_sha256=str(raw.get("bundle_sha256") or ""),
-                block_tokens=int(raw["block_tokens"]),
-                first_block=int(raw["first_block"]),
-                num_blocks=int(raw["num_blocks"]),
-                tail_tokens=int(raw.get("tail_tokens") or 0),
-                from_block=int(raw.get("from_block", raw["first_block"])),
-                payload=str(raw.get("payload") or CACHE),
-            )
-        except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"bad pdbridge params: {e!r}") from None
-        if p.block_tokens <= 0 or p.first_block < 0 or p.num_blocks < 0:
-            raise ValueError("block_tokens must be > 0, first_block and num_blocks >= 0")
+            m = json_format.ParseDict(raw, engine_pb2.PluginParams())
+        except json_format.ParseError as e:
+            raise ValueError(f"bad pdbridge params: {e}") from None
+        p = cls(request_id=m.request_id, socket=m.socket, bundle_path=m.bundle_path,
+                bundle_sha256=m.bundle_sha256, block_tokens=m.block_tokens, first_block=m.first_block,
+                num_blocks=m.num_blocks, tail_tokens=m.tail_tokens,
+                from_block=m.from_block if m.HasField("from_block") else m.first_block,
+                payload=LAYER_INPUTS if m.payload == bridge_pb2.PAYLOAD_LAYER_INPUTS else CACHE)
+        if not (p.request_id and p.socket and p.bundle_path):
+            raise ValueError("request_id, socket and bundle_path are required")
+        if p.block_tokens <= 0:
+            raise ValueError("block_tokens must be > 0")
         if not 0 <= p.from_block <= p.first_block:
             raise ValueError("from_block must be in [0, first_block]")
         if not 0 <= p.tail_tokens < p.block_tokens:
             raise ValueError("tail_tokens must be in [0, block_tokens)")
-        if p.payload not in (CACHE, LAYER_INPUTS):
-            raise ValueError(f"payload must be {CACHE!r} or {LAYER_INPUTS!r}, not {p.payload!r}")
         return p
 
     @property
