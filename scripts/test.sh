@@ -33,30 +33,43 @@ for family in llama3 qwen3 gemma3 deepseek_v3 gpt_oss qwen3_next deepseek_v41; d
 done
 cargo build --workspace --bins --locked
 
-# unittest: the engines' environment has no pytest.
-py_suite() { .venv/bin/python -m unittest discover "$@"; }
-
-fast() {
-  cargo nextest run --workspace --locked --no-fail-fast -E 'not binary(engines)' "$@"
-  py_suite -s common/engine/tests
-  py_suite -s decoded/engine/tests -p 'test_golden.py'
-  py_suite -s decoded/engine/tests -p 'test_stop_text.py'
-  py_suite -s prefilld/engine/tests -p 'test_params.py'
+# The Python suites named by "folder pattern" pairs (unittest: the engines' environment has no
+# pytest); every one runs, the status says whether all passed.
+py_suites() {
+  local status=0
+  while [ $# -gt 1 ]; do
+    .venv/bin/python -m unittest discover -s "$1" -p "$2" || status=1
+    shift 2
+  done
+  return "$status"
 }
 
-# Two streams side by side, each mostly one core (the CPU decoder computes on one): the end-to-end
-# tests, one at a time, and the engine adapters' own suites, whose output is shown when both end.
-engines() {
-  local status=0 py_log py_pid
-  py_log=$(mktemp)
-  { py_suite -s decoded/engine/tests -p 'test_adapter.py' && py_suite -s prefilld/engine/tests; } >"$py_log" 2>&1 &
-  py_pid=$!
-  cargo nextest run --workspace --locked --no-fail-fast -E 'binary(engines)' "$@" || status=$?
-  wait "$py_pid" || status=$?
-  echo "test.sh: the engine adapters' suites:" >&2
-  cat "$py_log" >&2
-  rm -f "$py_log"
+# A tier: the Python suites of `suites` in the background beside the nextest tests of filter $1,
+# each stream holding about one core (the CPU decoder computes on one); the suites' output is shown
+# when both end.
+tier() {
+  local filter=$1 status=0 log pid
+  shift
+  log=$(mktemp)
+  py_suites "${suites[@]}" >"$log" 2>&1 &
+  pid=$!
+  cargo nextest run --workspace --locked --no-fail-fast -E "$filter" "$@" || status=$?
+  wait "$pid" || status=$?
+  echo "test.sh: the Python suites:" >&2
+  cat "$log" >&2
+  rm -f "$log"
   return "$status"
+}
+
+fast() {
+  suites=(common/engine/tests 'test_*.py' decoded/engine/tests test_golden.py
+          decoded/engine/tests test_stop_text.py prefilld/engine/tests test_params.py)
+  tier 'not binary(engines)' "$@"
+}
+
+engines() {
+  suites=(decoded/engine/tests test_adapter.py prefilld/engine/tests 'test_*.py')
+  tier 'binary(engines)' "$@"
 }
 
 times=()

@@ -107,18 +107,27 @@ impl Rig {
 
 #[tokio::test]
 async fn bridged_answers_on_real_engines() {
-    let mut rig = Rig::start().await;
-    let first = rig.a_cold_prompt_is_bridged_as_native_answers().await;
-    rig.the_dashboard_doctor_and_warm_work_on_it().await;
-    let second = rig.a_longer_conversation_bridges_only_its_new_blocks(&first).await;
-    rig.twins_share_one_prefill().await;
-    rig.sixteen_at_once_stay_within_bounded_memory(&first).await;
-    rig.a_restarted_decoder_serves_every_committed_block(&second).await;
-    rig.a_rotten_block_is_quarantined_and_bridged_again(&first).await;
-    rig.a_link_too_slow_times_out(&first).await;
-    rig.a_vllm_crash_mid_prefill_is_told_and_survived().await;
-    rig.a_prefilld_killed_mid_bridge_leaves_what_landed().await;
-    rig.bad_requests_get_400s_and_leave_the_store(&first).await;
+    let mut rig = timed("start", Rig::start()).await;
+    let first = timed("cold prompt", rig.a_cold_prompt_is_bridged_as_native_answers()).await;
+    timed("dashboard, doctor, warm", rig.the_dashboard_doctor_and_warm_work_on_it()).await;
+    let second = timed("longer conversation", rig.a_longer_conversation_bridges_only_its_new_blocks(&first)).await;
+    timed("twins", rig.twins_share_one_prefill()).await;
+    timed("sixteen at once", rig.sixteen_at_once_stay_within_bounded_memory(&first)).await;
+    timed("decoder restart", rig.a_restarted_decoder_serves_every_committed_block(&second)).await;
+    timed("rotten block", rig.a_rotten_block_is_quarantined_and_bridged_again(&first)).await;
+    timed("slow link", rig.a_link_too_slow_times_out(&first)).await;
+    timed("vLLM crash", rig.a_vllm_crash_mid_prefill_is_told_and_survived()).await;
+    timed("prefilld killed", rig.a_prefilld_killed_mid_bridge_leaves_what_landed()).await;
+    timed("bad requests", rig.bad_requests_get_400s_and_leave_the_store(&first)).await;
+}
+
+/// Runs one step of a scenario and says how long it took (on stderr: nextest shows it for a
+/// failing test, or with `--no-capture`).
+async fn timed<T>(step: &str, run: impl std::future::Future<Output = T>) -> T {
+    let started = std::time::Instant::now();
+    let out = run.await;
+    eprintln!("step {step:?}: {:.1} s", started.elapsed().as_secs_f64());
+    out
 }
 
 impl Rig {
