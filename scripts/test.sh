@@ -44,9 +44,9 @@ py_suites() {
   return "$status"
 }
 
-# A tier: the Python suites of `suites` in the background beside the nextest tests of filter $1,
-# each stream holding about one core (the CPU decoder computes on one); the suites' output is shown
-# when both end.
+# A tier: the Python suites of `suites` in the background beside the nextest tests of filter $1
+# (whose groups, .config/nextest.toml, say what runs at once); the CPU decoder computes on one core,
+# so the streams keep the machine's cores busy. The suites' output is shown when both end.
 tier() {
   local filter=$1 status=0 log pid
   shift
