@@ -1,0 +1,183 @@
+#!/usr/bin/env bash
+# The GPU kit: both daemons on a lent CUDA machine that reaches no package registry, started as a
+# user starts them (certificates from `pdbridge certs`, mutual TLS, deploy/examples/ configs).
+#
+#   bench/gpu/kit.sh prepare          here (x86-64 Linux): .gpu-carry/ parts of <= 60 MB (git-ignored)
+#   then on the GPU machine, one call per part, back to back (it stays warm ~30 s between calls),
+#   each carrying that one part:  bench/gpu/kit.sh remote stage
+#   and then, in later calls:     bench/gpu/kit.sh remote unpack     (once per machine)
+#                                 bench/gpu/kit.sh remote start      (daemons, left running)
+#                                 bench/gpu/kit.sh remote e2e [bridge.py args]
+#                                 bench/gpu/kit.sh remote stop
+#
+# What travels:
+#   v32-*  vLLM 0.32.0's CUDA wheel without what an sm90 Llama-class run never loads (FlashAttention 2,
+#          vllm-rs, DeepGEMM, the sm100 kernels) and the runtime dependencies the image lacks
+#          (bench/gpu/vllm-deps.txt); vLLM's native ops use only torch's stable C ABI, so it runs
+#          over the image's torch 2.11 with --no-deps.
+#   pdb-*  mlx + mlx-lm, mlx-cuda-13's files (libmlx.so stripped), protobuf (the generated modules'
+#          runtime), this checkout's Python packages as wheels, the release binaries built here,
+#          and the test model's decoder folder (scales and biases fp16, as GGUF's Q4_1 holds them:
+#          fp16 -> fp32 is exact, so `unpack` restores the rig's folder bit for bit). vLLM's folder
+#          is rebuilt there from it with prepare-model's own dequantization (modelkit.build_hf).
+# On the machine, .venv/bin/python becomes the image's python3 with the kit's packages first on
+# its path (the engines' environment a CUDA box gets from `setup-engines.sh --profile cuda`).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+VLLM=0.32.0
+MLX=0.32.4
+MLX_LM=0.32.2
+PROTOBUF=7.36.2
+PART_BYTES=60M  # MiB: a part and the working tree stay under the 64 MiB a call carries
+kit=/tmp/pdb-kit
+
+platforms() {
+  local p
+  printf -- '--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux2014_x86_64'
+  for p in 17 24 27 28 31 34 35; do printf -- ' --platform manylinux_2_%s_x86_64' "$p"; done
+}
+
+prepare() {
+  local py=.venv/bin/python
+  work=$(mktemp -d)
+  trap 'rm -rf "$work"' EXIT
+  [ -x "$py" ] || { echo "kit: run scripts/setup-engines.sh first" >&2; exit 1; }
+  scripts/setup-engines.sh >/dev/null
+  "$py" scripts/prepare-model.py >/dev/null
+  cargo build --release --locked --bins
+  rm -rf .gpu-carry && mkdir -p .gpu-carry "$work/v/wheels" "$work/p/wheels" "$work/p/bin" "$work/p/cuda"
+  # shellcheck disable=SC2046
+  "$py" -m pip download -q --no-deps $(platforms) -d "$work/v/wheels" "vllm==$VLLM" -r bench/gpu/vllm-deps.txt
+  zip -q -d "$work"/v/wheels/vllm-$VLLM-*.whl 'vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so' 'vllm/vllm-rs' \
+    'vllm/third_party/deep_gemm/*' 'vllm/third_party/fmha_sm100/*'
+  (cd "$work/v" && tar cf - wheels) | split -b "$PART_BYTES" -d - .gpu-carry/v32-
+  # shellcheck disable=SC2046
+  "$py" -m pip download -q --no-deps $(platforms) --platform manylinux_2_35_x86_64 -d "$work/p/wheels" \
+    "mlx==$MLX" "mlx-cuda-13==$MLX" "mlx-lm==$MLX_LM" "protobuf==$PROTOBUF"
+  (cd "$work/p/cuda" && unzip -q "$work"/p/wheels/mlx_cuda_13-*.whl && strip --strip-unneeded mlx/lib/libmlx.so)
+  rm "$work"/p/wheels/mlx_cuda_13-*.whl
+  for package in common/engine prefilld/engine decoded/engine; do
+    cp -r "$package" "$work/src"  # built from a copy: setuptools leaves build files beside the source
+    "$py" -m pip wheel -q --no-deps --no-build-isolation -w "$work/p/wheels" "$work/src"
+    rm -rf "$work/src"
+  done
+  cp target/release/{decoded,prefilld,pdbridge} "$work/p/bin/" && strip "$work"/p/bin/*
+  "$py" - models/smollm2-mlx "$work/p/smollm2-mlx" <<'PY'
+import shutil, sys
+from pathlib import Path
+import mlx.core as mx
+src, dst = map(Path, sys.argv[1:])
+shutil.copytree(src, dst, ignore=shutil.ignore_patterns("model.safetensors"))
+weights = {k: v.astype(mx.float16) if k.endswith((".scales", ".biases")) else v
+           for k, v in mx.load(str(src / "model.safetensors")).items()}
+assert all(mx.array_equal(v.astype(mx.float32), mx.load(str(src / "model.safetensors"))[k])
+           for k, v in weights.items() if k.endswith((".scales", ".biases"))), "scales are not fp16-exact"
+mx.save_safetensors(str(dst / "model.safetensors"), weights, metadata={"format": "mlx"})
+PY
+  tar -C "$work/p" -cf - . | xz -6 -T0 | split -b "$PART_BYTES" -d - .gpu-carry/pdb-
+  ls -la .gpu-carry
+}
+
+# The calls that carry the parts: each copies its part where `unpack` finds them all.
+stage() {
+  mkdir -p "$kit/parts"
+  cp .gpu-carry/* "$kit/parts/"
+  ls -la "$kit/parts"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -c 'import sys, torch, google.protobuf as p; print(sys.version.split()[0], torch.__version__, "protobuf", p.__version__)'
+}
+
+unpack() {
+  local py libs
+  if [ ! -e "$kit/site/vllm" ]; then
+    rm -rf "$kit/site" "$kit/tree" && mkdir -p "$kit/tree"
+    cat "$kit"/parts/v32-* | tar x -C "$kit/tree"
+    cat "$kit"/parts/pdb-* | xz -d | tar x -C "$kit/tree"
+    python3 -m pip install -q --no-index --no-deps --no-compile --target "$kit/site" "$kit"/tree/wheels/*.whl
+    cp -r "$kit"/tree/cuda/. "$kit/site/"
+  fi
+  mkdir -p target/release models .venv/bin .venv/lib/python3.12
+  cp "$kit"/tree/bin/* target/release/
+  py=$(command -v python3)
+  libs=$("$py" -c 'import nvidia, os; print(":".join(os.path.join(p, d, "lib") for p in nvidia.__path__ for d in sorted(os.listdir(p)) if os.path.isdir(os.path.join(p, d, "lib"))))')
+  cat >.venv/bin/python <<EOF
+#!/bin/sh
+export PYTHONPATH="$kit/site\${PYTHONPATH:+:\$PYTHONPATH}" LD_LIBRARY_PATH="$libs\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}"
+exec "$py" "\$@"
+EOF
+  chmod +x .venv/bin/python
+  ln -sfn "$kit/site" .venv/lib/python3.12/site-packages  # where bench/bridge.py finds license texts
+  if [ ! -e models/smollm2-hf/config.json ]; then
+    # modelkit (scripts/) is the rig's own dequantization.
+    PYTHONPATH=scripts .venv/bin/python - "$kit/tree/smollm2-mlx" models <<'PY'
+import shutil, sys
+from pathlib import Path
+import mlx.core as mx
+from modelkit import build_hf
+src, models = Path(sys.argv[1]), Path(sys.argv[2])
+mlx_dir = models / "smollm2-mlx"
+shutil.copytree(src, mlx_dir, dirs_exist_ok=True, ignore=shutil.ignore_patterns("model.safetensors"))
+weights = {k: v.astype(mx.float32) if k.endswith((".scales", ".biases")) else v
+           for k, v in mx.load(str(src / "model.safetensors")).items()}
+mx.save_safetensors(str(mlx_dir / "model.safetensors"), weights, metadata={"format": "mlx"})
+build_hf(models / "smollm2-hf", mlx_dir)
+PY
+  fi
+  .venv/bin/python -c 'import vllm, mlx.core as mx, mlx_lm, pdbridge_vllm, pdbridge_mlx; print("vllm", vllm.__version__, "mlx", mx.__version__, mx.default_device())'
+}
+
+run=var/gpu
+start() {
+  local name
+  stop
+  rm -rf "$run" && mkdir -p "$run"
+  ./target/release/pdbridge certs --out var/certs prefill-1 mac-1 >/dev/null
+  # The decoder: MLX's CUDA backend (its default device once mlx-cuda is installed). Its CPU backend
+  # on these cores computes a prompt's native prefill at a few hundred tokens/s (fp32 emulated on
+  # x86), which would make the native answers the run's cost; the adapter's code is the same.
+  PDB_STORE__DIR="$run/store" PDB_ENGINE__SOCKET="$run/engine.sock" \
+    setsid ./target/release/decoded --config deploy/examples/decoded.toml >"$run/decoded.log" 2>&1 &
+  PDB_ENGINE__PLUGIN_SOCKET="$run/plugin.sock" PDB_ENGINE__BUNDLE_DIR="$run/bundles" \
+    setsid ./target/release/prefilld --config deploy/examples/prefilld-cuda.toml >"$run/prefilld.log" 2>&1 &
+  for name in decoded:9470 prefilld:9471; do
+    until curl -sf -o /dev/null "http://127.0.0.1:${name#*:}/readyz"; do
+      if ! pgrep -f "target/release/${name%%:*} " >/dev/null || (( SECONDS > 480 )); then
+        echo "kit: ${name%%:*} did not become ready" >&2; tail -60 "$run/${name%%:*}.log" >&2; return 1
+      fi
+      sleep 2
+    done
+    echo "kit: ${name%%:*} ready after $SECONDS s" >&2
+  done
+}
+
+stop() {
+  local pid
+  for pid in $(pgrep -f 'target/release/(decoded|prefilld) ' || true); do kill -TERM -- "-$pid" 2>/dev/null || true; done
+  for _ in $(seq 60); do pgrep -f 'target/release/(decoded|prefilld) ' >/dev/null || return 0; sleep 1; done
+  pkill -KILL -f 'target/release/(decoded|prefilld) ' || true
+}
+
+e2e() {
+  local out=${OUT:-var/gpu/out}
+  mkdir -p "$out"
+  set +e
+  PYTHONUNBUFFERED=1 .venv/bin/python bench/bridge.py --decoded-log "$run/decoded.log" --no-midblock --out "$out" "$@"
+  local status=$?
+  set -e
+  xz -c "$run/prefilld.log" >"$out/prefilld.log.xz"
+  xz -c "$run/decoded.log" >"$out/decoded.log.xz"
+  return $status
+}
+
+case "${1:-}" in
+  prepare) prepare ;;
+  remote)
+    shift
+    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+    case "${1:-}" in
+      stage | unpack | start | stop) "$1" ;;
+      e2e) shift; e2e "$@" ;;
+      *) echo "usage: bench/gpu/kit.sh remote stage|unpack|start|e2e|stop" >&2; exit 2 ;;
+    esac ;;
+  *) echo "usage: bench/gpu/kit.sh prepare | remote stage|unpack|start|e2e|stop" >&2; exit 2 ;;
+esac
