@@ -197,7 +197,8 @@ class Prompts:
             else:
                 lo = mid
         tokens = count(hi); calls += 1
-        self.chars_per_token = hi / max(tokens, 1)
+        if tokens >= 1024:  # a short prompt is mostly template and tag: it would misjudge the text's rate
+            self.chars_per_token = hi / max(tokens, 1)
         if abs(tokens - target) > TOLERANCE * target:
             raise SystemExit(f"could not size a prompt to {target}±5 % tokens (got {tokens})")
         return {"tag": tag, "messages": messages_for(tag, window[:hi]), "prompt_tokens": tokens,

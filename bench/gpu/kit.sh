@@ -9,6 +9,7 @@
 #                                 bench/gpu/kit.sh remote start      (daemons, left running)
 #                                 bench/gpu/kit.sh remote e2e [bridge.py args]
 #                                 bench/gpu/kit.sh remote stop
+# `start` passes PDB_* variables on to both daemons; PREFILLD_CONFIG names another prefilld config.
 #
 # What travels:
 #   v32-*  vLLM 0.32.0's CUDA wheel without what an sm90 Llama-class run never loads (FlashAttention 2,
@@ -120,6 +121,7 @@ shutil.copytree(src, mlx_dir, dirs_exist_ok=True, ignore=shutil.ignore_patterns(
 weights = {k: v.astype(mx.float32) if k.endswith((".scales", ".biases")) else v
            for k, v in mx.load(str(src / "model.safetensors")).items()}
 mx.save_safetensors(str(mlx_dir / "model.safetensors"), weights, metadata={"format": "mlx"})
+(models / "smollm2-hf").mkdir(exist_ok=True)
 build_hf(models / "smollm2-hf", mlx_dir)
 PY
   fi
@@ -138,7 +140,7 @@ start() {
   PDB_STORE__DIR="$run/store" PDB_ENGINE__SOCKET="$run/engine.sock" \
     setsid ./target/release/decoded --config deploy/examples/decoded.toml >"$run/decoded.log" 2>&1 &
   PDB_ENGINE__PLUGIN_SOCKET="$run/plugin.sock" PDB_ENGINE__BUNDLE_DIR="$run/bundles" \
-    setsid ./target/release/prefilld --config deploy/examples/prefilld-cuda.toml >"$run/prefilld.log" 2>&1 &
+    setsid ./target/release/prefilld --config "${PREFILLD_CONFIG:-deploy/examples/prefilld-cuda.toml}" >"$run/prefilld.log" 2>&1 &
   for name in decoded:9470 prefilld:9471; do
     until curl -sf -o /dev/null "http://127.0.0.1:${name#*:}/readyz"; do
       if ! pgrep -f "target/release/${name%%:*} " >/dev/null || (( SECONDS > 480 )); then
