@@ -9,7 +9,7 @@
 #                                 bench/gpu/kit.sh remote start      (daemons, left running)
 #                                 bench/gpu/kit.sh remote e2e [bridge.py args]
 #                                 bench/gpu/kit.sh remote stop
-# `start` passes PDB_* variables on to both daemons; PREFILLD_CONFIG names another prefilld config.
+# `start` passes PDB_* variables on to both daemons; DECODED_CONFIG and PREFILLD_CONFIG name other configs.
 #
 # What travels:
 #   v32-*  vLLM 0.32.0's CUDA wheel without what an sm90 Llama-class run never loads (FlashAttention 2,
@@ -138,7 +138,7 @@ start() {
   # on these cores computes a prompt's native prefill at a few hundred tokens/s (fp32 emulated on
   # x86), which would make the native answers the run's cost; the adapter's code is the same.
   PDB_STORE__DIR="$run/store" PDB_ENGINE__SOCKET="$run/engine.sock" \
-    setsid ./target/release/decoded --config deploy/examples/decoded.toml >"$run/decoded.log" 2>&1 &
+    setsid ./target/release/decoded --config "${DECODED_CONFIG:-deploy/examples/decoded.toml}" >"$run/decoded.log" 2>&1 &
   PDB_ENGINE__PLUGIN_SOCKET="$run/plugin.sock" PDB_ENGINE__BUNDLE_DIR="$run/bundles" \
     setsid ./target/release/prefilld --config "${PREFILLD_CONFIG:-deploy/examples/prefilld-cuda.toml}" >"$run/prefilld.log" 2>&1 &
   for name in decoded:9470 prefilld:9471; do
