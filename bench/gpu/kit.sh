@@ -9,6 +9,8 @@
 #                                 bench/gpu/kit.sh remote start      (daemons, left running)
 #                                 bench/gpu/kit.sh remote e2e [bridge.py args]
 #                                 bench/gpu/kit.sh remote stop
+#                                 bench/gpu/kit.sh remote mlx-cuda throughput|fidelity [args]
+#                                   (bench/gpu/mlx_cuda.py, MLX's CUDA backend alone: the pdb-* parts suffice)
 # `start` passes PDB_* variables on to both daemons; DECODED_CONFIG and PREFILLD_CONFIG name other configs.
 #
 # What travels:
@@ -69,10 +71,10 @@ from pathlib import Path
 import mlx.core as mx
 src, dst = map(Path, sys.argv[1:])
 shutil.copytree(src, dst, ignore=shutil.ignore_patterns("model.safetensors"))
-weights = {k: v.astype(mx.float16) if k.endswith((".scales", ".biases")) else v
-           for k, v in mx.load(str(src / "model.safetensors")).items()}
-assert all(mx.array_equal(v.astype(mx.float32), mx.load(str(src / "model.safetensors"))[k])
-           for k, v in weights.items() if k.endswith((".scales", ".biases"))), "scales are not fp16-exact"
+original = mx.load(str(src / "model.safetensors"))
+weights = {k: v.astype(mx.float16) if k.endswith((".scales", ".biases")) else v for k, v in original.items()}
+assert all(mx.array_equal(weights[k].astype(mx.float32), v) for k, v in original.items()
+           if k.endswith((".scales", ".biases"))), "scales are not fp16-exact"
 mx.save_safetensors(str(dst / "model.safetensors"), weights, metadata={"format": "mlx"})
 PY
   tar -C "$work/p" -cf - . | xz -6 -T0 | split -b "$PART_BYTES" -d - .gpu-carry/pdb-
@@ -90,9 +92,9 @@ stage() {
 
 unpack() {
   local py libs
-  if [ ! -e "$kit/site/vllm" ]; then
+  if [ ! -e "$kit/site/mlx" ]; then
     rm -rf "$kit/site" "$kit/tree" && mkdir -p "$kit/tree"
-    cat "$kit"/parts/v32-* | tar x -C "$kit/tree"
+    if compgen -G "$kit/parts/v32-*" >/dev/null; then cat "$kit"/parts/v32-* | tar x -C "$kit/tree"; fi
     cat "$kit"/parts/pdb-* | xz -d | tar x -C "$kit/tree"
     python3 -m pip install -q --no-index --no-deps --no-compile --target "$kit/site" "$kit"/tree/wheels/*.whl
     cp -r "$kit"/tree/cuda/. "$kit/site/"
@@ -125,7 +127,8 @@ mx.save_safetensors(str(mlx_dir / "model.safetensors"), weights, metadata={"form
 build_hf(models / "smollm2-hf", mlx_dir)
 PY
   fi
-  .venv/bin/python -c 'import vllm, mlx.core as mx, mlx_lm, pdbridge_vllm, pdbridge_mlx; print("vllm", vllm.__version__, "mlx", mx.__version__, mx.default_device())'
+  .venv/bin/python -c 'import mlx.core as mx, mlx_lm, pdbridge_mlx; print("mlx", mx.__version__, mx.default_device())'
+  [ ! -e "$kit/site/vllm" ] || .venv/bin/python -c 'import vllm, pdbridge_vllm; print("vllm", vllm.__version__)'
 }
 
 run=var/gpu
@@ -171,6 +174,14 @@ e2e() {
   return $status
 }
 
+# bench/gpu/mlx_cuda.py; its fidelity mode reads the test model as it travels (scales fp16, as a
+# Mac's 4-bit models keep them).
+mlx_cuda() {
+  local what=${1:?remote mlx-cuda throughput|fidelity} model=()
+  [ "$what" != fidelity ] || model=(--model "$kit/tree/smollm2-mlx")
+  PYTHONUNBUFFERED=1 .venv/bin/python bench/gpu/mlx_cuda.py "$what" "${model[@]}" --out "${OUT:-var/gpu/out}" "${@:2}"
+}
+
 case "${1:-}" in
   prepare) prepare ;;
   remote)
@@ -179,7 +190,8 @@ case "${1:-}" in
     case "${1:-}" in
       stage | unpack | start | stop) "$1" ;;
       e2e) shift; e2e "$@" ;;
-      *) echo "usage: bench/gpu/kit.sh remote stage|unpack|start|e2e|stop" >&2; exit 2 ;;
+      mlx-cuda) shift; mlx_cuda "$@" ;;
+      *) echo "usage: bench/gpu/kit.sh remote stage|unpack|start|e2e|stop|mlx-cuda" >&2; exit 2 ;;
     esac ;;
-  *) echo "usage: bench/gpu/kit.sh prepare | remote stage|unpack|start|e2e|stop" >&2; exit 2 ;;
+  *) echo "usage: bench/gpu/kit.sh prepare | remote stage|unpack|start|e2e|stop|mlx-cuda" >&2; exit 2 ;;
 esac

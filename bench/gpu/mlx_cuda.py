@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """The plugin's reconstruction on a GPU with the code that ships, and exactness across backends
-(issue 17). Runs where MLX has its CUDA backend (`mlx[cuda13]`) beside torch; `run_mlx_cuda.sh`
+(issue 17). Runs where MLX has its CUDA backend (`mlx[cuda13]`) beside torch; `kit.sh`
 says how it travels to a lent H200.
 
 throughput  `pdbridge_cache.layers.CachePath` — the class the vLLM plugin reconstructs with — on
