@@ -114,7 +114,14 @@ class Recorder:
         # Layers are called as layer(positions, hidden_states, residual, ...), residual None at the first.
         if self._sink is not None:
             _positions, hidden_states, residual = args[:3]
-            self._sink.append(hidden_states if residual is None else hidden_states + residual)
+            self._sink.append(_layer_input(hidden_states, residual))
+
+    def _maybe_add_hidden_state(self, aux_hidden_states: list, layer_idx: int, hidden_states: Any,
+                                residual: Any) -> list:
+        # The model's own EAGLE-3 capture, as it is but for the first layer's input, kept by reference there.
+        if layer_idx in self.aux_hidden_state_layers:
+            aux_hidden_states.append(_layer_input(hidden_states, residual))
+        return aux_hidden_states
 
     def record_stage(self) -> None:
         """The stage route: this stage's layers' inputs from the model's own capture, for
@@ -163,6 +170,14 @@ class Recorder:
             return super().forward(*args, **kwargs), self._sink
         finally:
             self._sink = None
+
+
+def _layer_input(hidden_states: Any, residual: Any) -> Any:
+    """The residual stream entering a layer, in a tensor of its own. Without a residual (the first
+    layer) it is the embedding tensor itself, which becomes the layer's residual: on CUDA vLLM's
+    fused add-norm then updates it in place (its `vllm_c` kernel; the CPU build's is out of place),
+    so a reference would hold the last layer's residual by the time the states are read."""
+    return hidden_states.clone() if residual is None else hidden_states + residual
 
 
 def _recording(base: type, drafter_hooks: bool) -> type:

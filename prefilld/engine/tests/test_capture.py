@@ -1,0 +1,87 @@
+"""The capture keeps each layer's input as it entered the layer, whatever the layers do to their
+tensors afterwards. On CUDA vLLM's fused add-norm (its `vllm_c` kernel) updates the residual in
+place, and the first layer's residual is the embedding tensor itself; vLLM's CPU build adds out of
+place, so the engine tests cannot see this. Here layers of Llama's calling convention add in place
+as the CUDA kernel does, under the plugin's `Recorder` over vLLM's own EAGLE-3 capture mixin."""
+
+from __future__ import annotations
+
+import unittest
+
+import torch
+from torch import nn
+from vllm.model_executor.models.interfaces import EagleModelMixin
+
+from pdbridge_vllm.models import Recorder
+
+
+class InPlaceLayer(nn.Module):
+    """Llama's residual handling with CUDA's in-place fused add: (hidden, residual) -> (hidden, residual)."""
+
+    def forward(self, _positions, hidden: torch.Tensor, residual: torch.Tensor | None):
+        if residual is None:
+            residual = hidden  # the first layer's residual is its input tensor
+        else:
+            residual.add_(hidden)  # input add-norm
+        attention = hidden * 2 + 1
+        residual.add_(attention)  # post-attention add-norm
+        return attention * 3, residual
+
+
+class Model(nn.Module, EagleModelMixin):
+    """An inner model (the module holding `layers`) calling its capture as vLLM's Llama does."""
+
+    start_layer = 0
+
+    def __init__(self, layers: int):
+        super().__init__()
+        self.layers = nn.ModuleList(InPlaceLayer() for _ in range(layers))
+        self.end_layer = layers
+
+    def forward(self, embedding: torch.Tensor):
+        captured: list[torch.Tensor] = []
+        hidden, residual = embedding, None
+        self._maybe_add_hidden_state(captured, 0, hidden, residual)
+        for i, layer in enumerate(self.layers):
+            hidden, residual = layer(None, hidden, residual)
+            self._maybe_add_hidden_state(captured, i + 1, hidden, residual)
+        return hidden, captured
+
+
+def layer_inputs(embedding: torch.Tensor, layers: int) -> list[torch.Tensor]:
+    """Each layer's input computed out of place: what the capture must give."""
+    inputs, hidden, residual = [], embedding.clone(), None
+    for _ in range(layers):
+        inputs.append(hidden if residual is None else hidden + residual)
+        residual = inputs[-1] + hidden * 2 + 1
+        hidden = (hidden * 2 + 1) * 3
+    return inputs
+
+
+class CaptureTest(unittest.TestCase):
+    LAYERS = 3
+
+    def recording(self) -> Recorder:
+        model = Model(self.LAYERS)
+        model.__class__ = type("ModelRecording", (Recorder, Model), {})
+        return model
+
+    def test_the_models_own_capture_keeps_the_first_layers_input(self):
+        model = self.recording()
+        model._set_aux_hidden_state_layers(tuple(range(self.LAYERS)))
+        embedding = torch.arange(8.0).reshape(2, 4)
+        _, captured = model(embedding.clone())
+        for got, want in zip(captured, layer_inputs(embedding, self.LAYERS), strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+    def test_the_hooks_keep_the_first_layers_input(self):
+        model = self.recording()
+        model.record_layer_inputs(range(self.LAYERS))
+        embedding = torch.arange(8.0).reshape(2, 4)
+        (_, _), captured = model(embedding.clone())
+        for got, want in zip(captured, layer_inputs(embedding, self.LAYERS), strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+if __name__ == "__main__":
+    unittest.main()
