@@ -11,6 +11,10 @@
 #                                 bench/gpu/kit.sh remote stop
 #                                 bench/gpu/kit.sh remote mlx-cuda throughput|fidelity [args]
 #                                   (bench/gpu/mlx_cuda.py, MLX's CUDA backend alone: the pdb-* parts suffice)
+#                                 bench/gpu/kit.sh remote prefill-box bridged [4bit|dense] [args]
+#                                 bench/gpu/kit.sh remote prefill-box native [args]
+#                                   (bench/gpu/prefill_box.py on bench/gpu/llama8b.py's model; results
+#                                   kept in var/gpu-8b/results across calls, copied to $OUT)
 # `start` passes PDB_* variables on to both daemons; DECODED_CONFIG and PREFILLD_CONFIG name other configs.
 #
 # What travels:
@@ -182,6 +186,38 @@ mlx_cuda() {
   PYTHONUNBUFFERED=1 .venv/bin/python bench/gpu/mlx_cuda.py "$what" "${model[@]}" --out "${OUT:-var/gpu/out}" "${@:2}"
 }
 
+# The prefill box at real shape. `bridged` restarts both daemons on the 8B-shaped model (the
+# decoder 4-bit, or dense: the bf16 prefill folder, which mlx-lm loads as it is) with configs
+# derived from deploy/examples/; `native` stops them, so vLLM alone has the GPU.
+prefill_box() {
+  local phase=${1:?remote prefill-box bridged [4bit|dense]|native} setting=4bit decoder=models/llama8b-mlx
+  local box=var/gpu-8b status=0
+  shift
+  mkdir -p "$box/results"
+  .venv/bin/python bench/gpu/llama8b.py
+  set +e
+  if [ "$phase" = native ]; then
+    stop
+    VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 .venv/bin/python bench/gpu/prefill_box.py native \
+      --prompts "$box/results/4bit/prompts.json" --out "$box/results" "$@"
+    status=$?
+  else
+    case "${1:-}" in 4bit | dense) setting=$1; shift ;; esac
+    [ "$setting" = 4bit ] || decoder=models/llama8b-hf
+    sed -e "s|^model = .*|model = \"$decoder\"|" -e 's|^dtype = .*|dtype = "bfloat16"|' \
+      -e 's|^budget_bytes = .*|budget_bytes = 48000000000|' deploy/examples/decoded.toml >"$box/decoded.toml"
+    sed -e 's|^model = .*|model = "models/llama8b-hf"|' -e 's|^dtype = .*|dtype = "bfloat16"|' \
+      -e 's|^max_model_len = .*|max_model_len = 135168|' deploy/examples/prefilld-cuda.toml >"$box/prefilld.toml"
+    DECODED_CONFIG="$box/decoded.toml" PREFILLD_CONFIG="$box/prefilld.toml" start &&
+      PYTHONUNBUFFERED=1 .venv/bin/python bench/gpu/prefill_box.py bridged --out "$box/results/$setting" "$@"
+    status=$?
+    cp "$run/prefilld.log" "$run/decoded.log" "$box/results/$setting/" 2>/dev/null
+  fi
+  set -e
+  cp -r "$box/results/." "${OUT:-var/gpu/out}/"
+  return $status
+}
+
 case "${1:-}" in
   prepare) prepare ;;
   remote)
@@ -191,7 +227,8 @@ case "${1:-}" in
       stage | unpack | start | stop) "$1" ;;
       e2e) shift; e2e "$@" ;;
       mlx-cuda) shift; mlx_cuda "$@" ;;
-      *) echo "usage: bench/gpu/kit.sh remote stage|unpack|start|e2e|stop|mlx-cuda" >&2; exit 2 ;;
+      prefill-box) shift; prefill_box "$@" ;;
+      *) echo "usage: bench/gpu/kit.sh remote stage|unpack|start|e2e|stop|mlx-cuda|prefill-box" >&2; exit 2 ;;
     esac ;;
   *) echo "usage: bench/gpu/kit.sh prepare | remote stage|unpack|start|e2e|stop|mlx-cuda" >&2; exit 2 ;;
 esac

@@ -19,6 +19,10 @@ pub struct WarmArgs {
     /// Treat the document as a plain completion prompt instead of a chat's first user message.
     #[arg(long)]
     plain: bool,
+    /// Print the outcome as one JSON line (tokens, blocks, bytes, seconds, the prefiller's stage
+    /// milliseconds) instead of a sentence: for scripts and benchmarks.
+    #[arg(long)]
+    json: bool,
     /// decoded's front door (it tokenizes exactly as a request would).
     #[arg(long, default_value = "http://127.0.0.1:8080")]
     front: String,
@@ -66,6 +70,7 @@ async fn warm(args: &WarmArgs) -> Result<String, String> {
         .map_err(|e| format!("tokenize: {e}"))?;
     let tokens: Vec<u32> = serde_json::from_value(tokenized["tokens"].clone()).map_err(|e| format!("tokenize: {e}"))?;
     let tls = args.tls.load()?;
+    let started = std::time::Instant::now();
     let channel = connect(&args.prefilld, tls.as_ref(), args.tls.prefilld_name.as_deref()).await?;
     let request =
         PrefillRequest { token_ids: tokens.clone(), decoder_addr: args.decoder_addr.clone(), ..Default::default() };
@@ -91,6 +96,16 @@ async fn warm(args: &WarmArgs) -> Result<String, String> {
                 bar.finish_and_clear();
                 let covered = format!("{} of {} tokens in the store", outcome.tokens_covered, tokens.len());
                 return match outcome.status() {
+                    OutcomeStatus::Bridged if args.json => Ok(json!({
+                        "outcome": "bridged",
+                        "tokens": tokens.len(),
+                        "tokens_covered": outcome.tokens_covered,
+                        "blocks": outcome.blocks_committed,
+                        "bytes": outcome.bytes,
+                        "seconds": started.elapsed().as_secs_f64(),
+                        "stage_ms": outcome.stage_ms,
+                    })
+                    .to_string()),
                     OutcomeStatus::Bridged => Ok(format!(
                         "warm: bridged {} blocks ({} bytes); {covered}",
                         outcome.blocks_committed, outcome.bytes

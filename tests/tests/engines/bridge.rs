@@ -181,13 +181,21 @@ impl Rig {
         std::fs::write(&doc_file, &document).unwrap();
         let mut warm_args = vec![
             "warm".to_owned(),
+            "--json".to_owned(),
             format!("--file={}", doc_file.display()),
             format!("--front=http://{}", self.decoded.front.unwrap()),
             format!("--prefilld={}", self.prefilld.grpc_uri()),
         ];
         warm_args.extend(self.cli_tls());
         let (status, out) = run_cli(&warm_args).await;
-        assert!(status.success() && out.contains("warm: bridged"), "warm failed:\n{out}");
+        assert!(status.success(), "warm failed:\n{out}");
+        let warmed: Value =
+            serde_json::from_str(out.lines().last().unwrap_or_default()).unwrap_or_else(|e| panic!("{e}: {out}"));
+        assert_eq!(warmed["outcome"], "bridged", "{warmed}");
+        assert!(
+            warmed["blocks"].as_u64() > Some(0) && warmed["stage_ms"]["reconstruct"].as_f64() > Some(0.0),
+            "{warmed}"
+        );
         let warmed = chat(&self.decoded, &user(&document), "auto").await;
         assert_eq!(warmed.verdict["outcome"], "cached", "{}", warmed.verdict);
     }
