@@ -10,20 +10,24 @@
 # (cpu, mac), the vLLM plugin (prefilld/engine) where vLLM runs (cpu, cuda), and the test kit
 # (testkit) that the engines' tests and the benches share on the test rig (cpu).
 # --resolve resolves the profile's pinned set for its platform with pip and installs nothing: it
-# shows on any Linux machine whether a cuda or mac install would succeed.
+# shows on any Linux machine whether a cuda or mac install would succeed. --arch picks a cuda box's
+# CPU: x86_64 (an H100/H200 server) or aarch64 (DGX Spark's GB10, Grace); default this machine's.
 # Idempotent: a stamp records what was installed; a complete env is left alone.
 set -euo pipefail
 
 usage() {
-  echo "usage: scripts/setup-engines.sh [--profile cpu|cuda|mac] [--resolve]" >&2
+  echo "usage: scripts/setup-engines.sh [--profile cpu|cuda|mac] [--arch x86_64|aarch64] [--resolve]" >&2
   exit 2
 }
 profile=cpu
+arch=$(uname -m)
 resolve=false
 while [ $# -gt 0 ]; do
   case "$1" in
     --profile) [ $# -ge 2 ] || usage; profile=$2; shift 2 ;;
     --profile=*) profile=${1#--profile=}; shift ;;
+    --arch) [ $# -ge 2 ] || usage; arch=$2; shift 2 ;;
+    --arch=*) arch=${1#--arch=}; shift ;;
     --resolve) resolve=true; shift ;;
     *) usage ;;
   esac
@@ -53,7 +57,15 @@ case "$profile" in
   cuda) want="cuda vllm=$VLLM mlx-cuda-13=$MLX mlx-lm=$MLX_LM transformers=$TRANSFORMERS"
         packages=("vllm==$VLLM" "mlx[cuda13]==$MLX" "mlx-lm==$MLX_LM" "transformers==$TRANSFORMERS")
         project=(pdbridge-cache=common/engine pdbridge-vllm=prefilld/engine)
-        platform=(); expect="Linux x86_64" ;;
+        case "$arch" in x86_64 | aarch64) ;; *) usage ;; esac
+        expect="Linux $arch"
+        platform=()
+        if [ "$arch" != "$(uname -m)" ]; then
+          # Another CPU's wheels: binary only, for Ubuntu 24.04's Python (DGX OS), every manylinux
+          # glibc level up to its 2.39 (pip takes each tag literally).
+          platform=(--only-binary=:all: --python-version 3.12 --platform "manylinux2014_$arch")
+          for glibc in $(seq 17 39); do platform+=(--platform "manylinux_2_${glibc}_$arch"); done
+        fi ;;
   mac) want="mac mlx=$MLX mlx-lm=$MLX_LM transformers=$TRANSFORMERS"
        packages=("mlx==$MLX" "mlx-lm==$MLX_LM" "transformers==$TRANSFORMERS")
        project=(pdbridge-cache=common/engine pdbridge-mlx=decoded/engine)
@@ -90,7 +102,7 @@ if $resolve; then
   [ ${#platform[@]} -eq 0 ] || target=(--target "$scratch/target")
   "$scratch/venv/bin/python" -m pip install --quiet --disable-pip-version-check --dry-run --ignore-installed \
     "${platform[@]}" "${target[@]}" --report "$scratch/report.json" "${packages[@]}"
-  "$scratch/venv/bin/python" - "$scratch/report.json" "$profile" <<'PY'
+  "$scratch/venv/bin/python" - "$scratch/report.json" "$profile ($expect)" <<'PY'
 import json, sys
 report = json.load(open(sys.argv[1]))
 got = {i["metadata"]["name"].lower(): i["metadata"]["version"] for i in report["install"]}

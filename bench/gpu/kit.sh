@@ -198,7 +198,7 @@ prefill_box() {
   set +e
   if [ "$phase" = native ]; then
     stop
-    VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 .venv/bin/python bench/gpu/prefill_box.py native \
+    VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONPATH=bench PYTHONUNBUFFERED=1 .venv/bin/python bench/gpu/prefill_box.py native \
       --prompts "$box/results/4bit/prompts.json" --out "$box/results" "$@"
     status=$?
   else
@@ -209,7 +209,7 @@ prefill_box() {
     sed -e 's|^model = .*|model = "models/llama8b-hf"|' -e 's|^dtype = .*|dtype = "bfloat16"|' \
       -e 's|^max_model_len = .*|max_model_len = 135168|' deploy/examples/prefilld-cuda.toml >"$box/prefilld.toml"
     DECODED_CONFIG="$box/decoded.toml" PREFILLD_CONFIG="$box/prefilld.toml" start &&
-      PYTHONUNBUFFERED=1 .venv/bin/python bench/gpu/prefill_box.py bridged --out "$box/results/$setting" "$@"
+      PYTHONPATH=bench PYTHONUNBUFFERED=1 .venv/bin/python bench/gpu/prefill_box.py bridged --out "$box/results/$setting" "$@"
     status=$?
     cp "$run/prefilld.log" "$run/decoded.log" "$box/results/$setting/" 2>/dev/null
   fi

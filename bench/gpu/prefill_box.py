@@ -13,8 +13,8 @@
 Both on one GPU one after the other; ratio = native s / bridged s, the share of vLLM's prefill
 throughput the bridged box keeps.
 
-Usage: .venv/bin/python bench/gpu/prefill_box.py bridged --lengths 8192,32768,131072 --out DIR
-       .venv/bin/python bench/gpu/prefill_box.py native --prompts DIR/prompts.json --out DIR
+Usage: PYTHONPATH=bench .venv/bin/python bench/gpu/prefill_box.py bridged --lengths 8192,32768,131072 --out DIR
+       PYTHONPATH=bench .venv/bin/python bench/gpu/prefill_box.py native --prompts DIR/prompts.json --out DIR
 """
 
 from __future__ import annotations
@@ -23,12 +23,10 @@ import argparse
 import json
 import math
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bridge import Client, Prompts, corpus  # noqa: E402
+from bridge import Client, Prompts, corpus  # bench/bridge.py (PYTHONPATH=bench)
 
 ROOT = Path(__file__).resolve().parents[2]
 WARM_UP_TOKENS = 2048
