@@ -207,7 +207,8 @@ prefill_box() {
     sed -e "s|^model = .*|model = \"$decoder\"|" -e 's|^dtype = .*|dtype = "bfloat16"|' \
       -e 's|^budget_bytes = .*|budget_bytes = 48000000000|' deploy/examples/decoded.toml >"$box/decoded.toml"
     sed -e 's|^model = .*|model = "models/llama8b-hf"|' -e 's|^dtype = .*|dtype = "bfloat16"|' \
-      -e 's|^max_model_len = .*|max_model_len = 135168|' deploy/examples/prefilld-cuda.toml >"$box/prefilld.toml"
+      -e 's|^max_model_len = .*|max_model_len = 135168|' -e 's|"--gpu-memory-utilization", "0.5"|"--gpu-memory-utilization", "0.7"|' \
+      deploy/examples/prefilld-cuda.toml >"$box/prefilld.toml"
     DECODED_CONFIG="$box/decoded.toml" PREFILLD_CONFIG="$box/prefilld.toml" start &&
       PYTHONPATH=bench PYTHONUNBUFFERED=1 .venv/bin/python bench/gpu/prefill_box.py bridged --out "$box/results/$setting" "$@"
     status=$?

@@ -15,6 +15,7 @@ throughput the bridged box keeps.
 
 Usage: PYTHONPATH=bench .venv/bin/python bench/gpu/prefill_box.py bridged --lengths 8192,32768,131072 --out DIR
        PYTHONPATH=bench .venv/bin/python bench/gpu/prefill_box.py native --prompts DIR/prompts.json --out DIR
+       PYTHONPATH=bench .venv/bin/python bench/gpu/prefill_box.py plot   (bench/results/gpu_e2e.json -> PNG)
 """
 
 from __future__ import annotations
@@ -92,6 +93,53 @@ def native(args: argparse.Namespace) -> None:
     (args.out / name).write_text(json.dumps(rows, indent=2))
 
 
+STAGES = (("capture", (230, 150, 40)), ("reconstruct", (40, 90, 200)), ("send", (120, 170, 240)),
+          ("wire", (30, 150, 60)))
+
+
+def plot(args: argparse.Namespace) -> None:
+    """Per length, vLLM alone and the bridged box's stages side by side, log scale (the stages
+    overlap in time: their sum can exceed the box's total, drawn as the outline)."""
+    from PIL import Image, ImageDraw, ImageFont
+
+    rows = json.loads(args.results.read_text())["prefill_box"]["rows"]
+    width, height, left, top, bottom = 900, 520, 90, 60, 110
+    img = Image.new("RGB", (width, height), "white")
+    d = ImageDraw.Draw(img)
+    font = ImageFont.load_default(size=14)
+    low, high = 0.1, 10 ** math.ceil(math.log10(max(r["bridged_prefill_box_s"] for r in rows) * 1.5))
+
+    def y(seconds: float) -> float:
+        share = (math.log10(max(seconds, low)) - math.log10(low)) / (math.log10(high) - math.log10(low))
+        return height - bottom - (height - top - bottom) * share
+
+    decade = low
+    while decade <= high:
+        d.line([(left, y(decade)), (width - 20, y(decade))], fill=(220, 220, 220))
+        d.text((left - 8, y(decade)), f"{decade:g} s", fill="black", font=font, anchor="rm")
+        decade *= 10
+    slot = (width - left - 20) / len(rows)
+    for i, r in enumerate(rows):
+        x = left + slot * i + slot * 0.2
+        d.rectangle([x, y(r["native_vllm_s"]), x + 50, y(low)], fill=(200, 50, 40))
+        base = 0.0
+        for stage, color in STAGES:
+            seconds = r["stage_ms"].get(stage, 0) / 1e3
+            if seconds:
+                d.rectangle([x + 60, y(base + seconds), x + 110, y(max(base, low))], fill=color)
+                base += seconds
+        d.rectangle([x + 58, y(r["bridged_prefill_box_s"]), x + 112, y(low)], outline="black", width=2)
+        d.text((x + 55, height - bottom + 10), f"{r['prompt_tokens']:,} tokens: {r['ratio_native_over_bridged']:.1%}",
+               fill="black", font=font, anchor="ma")
+    legend = [("vLLM alone", (200, 50, 40))] + [(f"bridged: {s}", c) for s, c in STAGES]
+    for i, (name, color) in enumerate(legend):
+        lx = left + i * 160
+        d.rectangle([lx, height - 50, lx + 14, height - 36], fill=color)
+        d.text((lx + 20, height - 50), name, fill="black", font=font)
+    d.text((width / 2, 20), args.title, fill="black", font=font, anchor="ma")
+    img.save(args.png)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="phase", required=True)
@@ -106,9 +154,15 @@ def main() -> None:
     n.add_argument("--eager", action="store_true", help="--enforce-eager, as the capture route runs")
     for s in (b, n):
         s.add_argument("--out", type=Path, required=True)
+    g = sub.add_parser("plot", help="the results file's prefill_box rows as a PNG")
+    g.add_argument("--results", type=Path, default=Path("bench/results/gpu_e2e.json"))
+    g.add_argument("--png", type=Path, default=Path("bench/results/gpu_prefill_box.png"))
+    g.add_argument("--title", default="Prefill box at Llama-3.1-8B shape on one H200: vLLM alone vs bridged "
+                                      "(share of vLLM's throughput kept)")
     args = p.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
-    {"bridged": bridged, "native": native}[args.phase](args)
+    if args.phase != "plot":
+        args.out.mkdir(parents=True, exist_ok=True)
+    {"bridged": bridged, "native": native, "plot": plot}[args.phase](args)
 
 
 if __name__ == "__main__":
