@@ -198,8 +198,10 @@ prefill_box() {
   set +e
   if [ "$phase" = native ]; then
     stop
-    VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONPATH=bench PYTHONUNBUFFERED=1 .venv/bin/python bench/gpu/prefill_box.py native \
-      --prompts "$box/results/4bit/prompts.json" --out "$box/results" "$@"
+    # VLLM_PLUGINS empty: vLLM alone, without the plugin's model classes.
+    VLLM_PLUGINS= VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONPATH=bench PYTHONUNBUFFERED=1 .venv/bin/python \
+      bench/gpu/prefill_box.py native --prompts "$box/results/4bit/prompts.json" --out "$box/results" "$@" 2>&1 |
+      tee "$box/results/native.log"
     status=$?
   else
     case "${1:-}" in 4bit | dense) setting=$1; shift ;; esac
@@ -210,7 +212,8 @@ prefill_box() {
       -e 's|^max_model_len = .*|max_model_len = 135168|' -e 's|"--gpu-memory-utilization", "0.5"|"--gpu-memory-utilization", "0.7"|' \
       deploy/examples/prefilld-cuda.toml >"$box/prefilld.toml"
     DECODED_CONFIG="$box/decoded.toml" PREFILLD_CONFIG="$box/prefilld.toml" start &&
-      PYTHONPATH=bench PYTHONUNBUFFERED=1 .venv/bin/python bench/gpu/prefill_box.py bridged --out "$box/results/$setting" "$@"
+      PYTHONPATH=bench PYTHONUNBUFFERED=1 .venv/bin/python bench/gpu/prefill_box.py bridged --out "$box/results/$setting" "$@" 2>&1 |
+      tee "$box/results/bridged-$setting.log"
     status=$?
     cp "$run/prefilld.log" "$run/decoded.log" "$box/results/$setting/" 2>/dev/null
   fi
