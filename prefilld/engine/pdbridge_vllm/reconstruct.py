@@ -70,16 +70,34 @@ def load(path: str, expected_sha256: str | None, dense_weights: bool = False) ->
     return cache_path
 
 
-def block(path: CachePath, hidden: np.ndarray, offset: int, streams: list | None = None,
+def captured_states(hidden, capture_layer_ids: list[int], layers: list[int]) -> mx.array:
+    """The captured states of `layers` (out of the engine's `capture_layer_ids`) as one MLX array
+    [T, len(layers), hidden] in the engine's dtype; the cache path casts it to the decoder's.
+    `hidden`: numpy, or a torch tensor on the host. bf16 (no numpy type) travels as its bits and
+    MLX reinterprets them: no float32 copy on the host, half the bytes into MLX, and the same
+    values (every bf16 is exact in float32, so the cast the cache path makes sees what it saw)."""
+    if not isinstance(hidden, np.ndarray):
+        import torch
+
+        bf16 = hidden.dtype == torch.bfloat16
+        hidden = hidden.view(torch.int16).numpy() if bf16 else hidden.float().numpy()
+        states = mx.array(hidden).view(mx.bfloat16) if bf16 else mx.array(hidden)
+    else:
+        states = mx.array(hidden)
+    order = [capture_layer_ids.index(layer) for layer in layers]
+    return states if order == list(range(states.shape[1])) else states[:, mx.array(order), :]
+
+
+def block(path: CachePath, hidden: mx.array, offset: int, streams: list | None = None,
           states: dict | None = None, only_states: bool = False):
-    """One block's tensors for the wire: `hidden` = float32 [T, len(path.layers), hidden] at
+    """One block's tensors for the wire: `hidden` = [T, len(path.layers), hidden] (`captured_states`) at
     positions offset..offset+T; `states` the request's recurrent states, advanced (see
     `CachePath.block`). Returns (tensor headers, payload parts), layers ascending and each layer's
     tensors in its codec's order."""
     return _wire(path.block(hidden, offset, streams, states, only_states))
 
 
-def blocks(path: CachePath, hidden: np.ndarray, offset: int, block_tokens: int, streams: list | None = None):
+def blocks(path: CachePath, hidden: mx.array, offset: int, block_tokens: int, streams: list | None = None):
     """Consecutive whole blocks (`hidden`: [k * block_tokens, layers, hidden]) computed in one call
     and cut into each block's wire tensors, in order. Tokens per call decide a GPU's rate (calls of
     256 tokens run at a quarter of the rate of 8,192-token ones on MLX's CUDA backend); a token's
@@ -102,9 +120,9 @@ def blocks(path: CachePath, hidden: np.ndarray, offset: int, block_tokens: int, 
             for k in range(count)]
 
 
-def layer_inputs(path: CachePath, hidden: np.ndarray):
+def layer_inputs(path: CachePath, hidden: mx.array):
     """One block's layer inputs for the wire, for a decoder that computes its cache itself
-    (`hidden`: float32 [T, len(path.layers), hidden]): each layer's cast to the decoder's
+    (`hidden`: [T, len(path.layers), hidden], `captured_states`): each layer's cast to the decoder's
     activation dtype, the cast its cache path starts with, so from them the decoder computes what
     `block` would on its backend. Returns (tensor headers, payload parts) as `block` does."""
     inputs = [(layer, LAYER_INPUT, mx.array(hidden[:, j, :]).astype(path.dtype)) for j, layer in enumerate(path.layers)]

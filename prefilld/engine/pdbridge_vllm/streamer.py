@@ -165,7 +165,7 @@ class Streamer:
     def submit_blocks(self, stream: RequestStream, first_index: int, hidden, tail: bool = False) -> None:
         """`hidden`: [rows, n_captured, hidden_size], the captured residual stream of consecutive
         whole blocks from `first_index` (or of the tail), as a numpy array or a torch tensor in the
-        engine's dtype (converted to float32 on the streamer thread, off the step loop). Waits while
+        engine's dtype (handed to MLX on the streamer thread, off the step loop). Waits while
         the queue is over budget: backpressure."""
         nbytes = (hidden.nbytes if isinstance(hidden, np.ndarray)
                   else hidden.numel() * hidden.element_size())
@@ -280,14 +280,11 @@ class Streamer:
         from . import reconstruct
 
         path = self._bundle(stream)
-        if not isinstance(hidden, np.ndarray):  # torch, in the engine's dtype (bf16 has no numpy type)
-            hidden = hidden.float().numpy()
-        hidden = hidden.astype(np.float32, copy=False)  # cast to the decoder's dtype by the cache path
         if hidden.shape[2] != path.hidden_size:
             self._fail(stream, protocol.BUNDLE_MISMATCH,
                        f"captured hidden size {hidden.shape[2]} != the decoder's {path.hidden_size}")
             return
-        hidden = hidden[:, [self._capture_layer_ids.index(lay) for lay in path.layers], :]
+        hidden = reconstruct.captured_states(hidden, self._capture_layer_ids, path.layers)
         B = stream.params.block_tokens
         if stream.params.payload == LAYER_INPUTS:
             self._emit_layer_inputs(stream, path, first_index, hidden, tail)
@@ -306,7 +303,7 @@ class Streamer:
         for k, (tensors, payload) in enumerate(wire):
             self._send_block(stream, first_index + k, tensors, payload, tail=False)
 
-    def _emit_layer_inputs(self, stream: RequestStream, path, first_index: int, hidden: np.ndarray,
+    def _emit_layer_inputs(self, stream: RequestStream, path, first_index: int, hidden,
                            tail: bool) -> None:
         from . import reconstruct
 
@@ -321,7 +318,7 @@ class Streamer:
             stream.reconstruct_ms += (time.perf_counter() - t0) * 1e3
             self._send_block(stream, first_index + k, tensors, payload, tail)
 
-    def _emit_block(self, stream: RequestStream, path, block_index: int, hidden: np.ndarray, tail: bool) -> None:
+    def _emit_block(self, stream: RequestStream, path, block_index: int, hidden, tail: bool) -> None:
         from . import reconstruct
 
         if stream.states is None:

@@ -10,6 +10,7 @@ import unittest
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 
 from pdbridge_cache.safetensors_io import serialize
 from pdbridge_testkit import NUM_LAYERS
@@ -83,6 +84,28 @@ class BundleLoadTest(unittest.TestCase):
         with open(torn, "r+b") as f:
             f.truncate(1000)
         self.refused(str(torn), protocol.BUNDLE_UNREADABLE, "torn")
+
+
+class CapturedStatesTest(unittest.TestCase):
+    """The states reach MLX with the values the engine captured, whatever its dtype, in the
+    decoder's layer order."""
+
+    def test_bf16_travels_as_its_bits_with_the_values_float32_has(self):
+        import torch
+
+        captured = torch.randn(5, 3, 8, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+        states = reconstruct.captured_states(captured, [0, 1, 2], [0, 1, 2])
+        self.assertEqual(states.dtype, mx.bfloat16)
+        self.assertEqual(np.array(states.astype(mx.float32)).tobytes(), captured.float().numpy().tobytes())
+
+    def test_the_decoders_layers_are_taken_in_its_order(self):
+        import torch
+
+        captured = torch.arange(2 * 4 * 3, dtype=torch.float16).reshape(2, 4, 3)
+        states = reconstruct.captured_states(captured, [3, 5, 7, 9], [9, 5])
+        np.testing.assert_array_equal(np.array(states), captured.float().numpy()[:, [3, 1], :])
+        plain = np.arange(2 * 4 * 3, dtype=np.float32).reshape(2, 4, 3)
+        np.testing.assert_array_equal(np.array(reconstruct.captured_states(plain, [3, 5, 7, 9], [3, 5, 7, 9])), plain)
 
 
 if __name__ == "__main__":
