@@ -51,7 +51,9 @@ def bridged(args: argparse.Namespace) -> None:
     lengths = [int(n) for n in args.lengths.split(",")]
     client = Client(args.front)
     text = corpus()
-    text *= math.ceil(max(lengths) * 6 / len(text)) + 1  # room for the longest prompt's window
+    # Room for the longest prompt's window: Prompts asks for 1.6x its chars per token (~5 for
+    # license text; a GPU box's few packages give a corpus of ~150K chars, too small for 128K tokens).
+    text *= math.ceil(max(lengths) * 16 / len(text)) + 1
     prompts = Prompts(client, text, time.strftime("%Y%m%dT%H%M%S"))
     rows, ids = [], {}
     for target in [WARM_UP_TOKENS, *lengths]:  # the first pays the engines' first-request costs
