@@ -16,6 +16,10 @@
 #                                   (bench/gpu/prefill_box.py on bench/gpu/llama8b.py's model; results
 #                                   kept in var/gpu-8b/results across calls, copied to $OUT)
 # `start` passes PDB_* variables on to both daemons; DECODED_CONFIG and PREFILLD_CONFIG name other configs.
+# Measured on the lent H200 (2026-12-03): the machine's start takes ~6 of its 30 held minutes and it
+# goes back after 30 s idle, so have every call ready before the first. A call per part ~15 s;
+# unpack + start + e2e over 8 prompts 167 s; prefill-box bridged at 8K/32K 175 s (llama8b.py 25 s
+# the first time); native --eager 45 s.
 #
 # What travels:
 #   v32-*  vLLM 0.32.0's CUDA wheel without what an sm90 Llama-class run never loads (FlashAttention 2,
