@@ -29,7 +29,8 @@
 #   pdb-*  mlx + mlx-lm, mlx-cuda-13's files (libmlx.so stripped), protobuf (the generated modules'
 #          runtime), this checkout's Python packages as wheels, the release binaries built here,
 #          and the test model's decoder folder (scales and biases fp16, as GGUF's Q4_1 holds them:
-#          fp16 -> fp32 is exact, so `unpack` restores the rig's folder bit for bit). vLLM's folder
+#          fp16 -> fp32 is exact, so `unpack` restores the rig's folder bit for bit: bench/gpu/carry.py,
+#          tested by bench/gpu/test_carry.py in the fast tier). vLLM's folder
 #          is rebuilt there from it with prepare-model's own dequantization (modelkit.build_hf).
 # On the machine, .venv/bin/python becomes the image's python3 with the kit's packages first on
 # its path (the engines' environment a CUDA box gets from `setup-engines.sh --profile cuda`).
@@ -73,18 +74,7 @@ prepare() {
     rm -rf "$work/src"
   done
   cp target/release/{decoded,prefilld,pdbridge} "$work/p/bin/" && strip "$work"/p/bin/*
-  "$py" - models/smollm2-mlx "$work/p/smollm2-mlx" <<'PY'
-import shutil, sys
-from pathlib import Path
-import mlx.core as mx
-src, dst = map(Path, sys.argv[1:])
-shutil.copytree(src, dst, ignore=shutil.ignore_patterns("model.safetensors"))
-original = mx.load(str(src / "model.safetensors"))
-weights = {k: v.astype(mx.float16) if k.endswith((".scales", ".biases")) else v for k, v in original.items()}
-assert all(mx.array_equal(weights[k].astype(mx.float32), v) for k, v in original.items()
-           if k.endswith((".scales", ".biases"))), "scales are not fp16-exact"
-mx.save_safetensors(str(dst / "model.safetensors"), weights, metadata={"format": "mlx"})
-PY
+  "$py" bench/gpu/carry.py pack models/smollm2-mlx "$work/p/smollm2-mlx"
   tar -C "$work/p" -cf - . | xz -6 -T0 | split -b "$PART_BYTES" -d - .gpu-carry/pdb-
   ls -la .gpu-carry
 }
@@ -120,20 +110,10 @@ EOF
   ln -sfn "$kit/site" .venv/lib/python3.12/site-packages  # where bench/bridge.py finds license texts
   if [ ! -e models/smollm2-hf/config.json ]; then
     # modelkit (scripts/) is the rig's own dequantization.
-    PYTHONPATH=scripts .venv/bin/python - "$kit/tree/smollm2-mlx" models <<'PY'
-import shutil, sys
-from pathlib import Path
-import mlx.core as mx
-from modelkit import build_hf
-src, models = Path(sys.argv[1]), Path(sys.argv[2])
-mlx_dir = models / "smollm2-mlx"
-shutil.copytree(src, mlx_dir, dirs_exist_ok=True, ignore=shutil.ignore_patterns("model.safetensors"))
-weights = {k: v.astype(mx.float32) if k.endswith((".scales", ".biases")) else v
-           for k, v in mx.load(str(src / "model.safetensors")).items()}
-mx.save_safetensors(str(mlx_dir / "model.safetensors"), weights, metadata={"format": "mlx"})
-(models / "smollm2-hf").mkdir(exist_ok=True)
-build_hf(models / "smollm2-hf", mlx_dir)
-PY
+    .venv/bin/python bench/gpu/carry.py unpack "$kit/tree/smollm2-mlx" models/smollm2-mlx
+    mkdir -p models/smollm2-hf
+    PYTHONPATH=scripts .venv/bin/python -c 'import sys; from pathlib import Path; from modelkit import build_hf
+build_hf(Path(sys.argv[1]), Path(sys.argv[2]))' models/smollm2-hf models/smollm2-mlx
   fi
   .venv/bin/python -c 'import mlx.core as mx, mlx_lm, pdbridge_mlx; print("mlx", mx.__version__, mx.default_device())'
   [ ! -e "$kit/site/vllm" ] || .venv/bin/python -c 'import vllm, pdbridge_vllm; print("vllm", vllm.__version__)'
