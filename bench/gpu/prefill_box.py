@@ -55,16 +55,15 @@ def bridged(args: argparse.Namespace) -> None:
     # license text; a GPU box's few packages give a corpus of ~150K chars, too small for 128K tokens).
     text *= math.ceil(max(lengths) * 16 / len(text)) + 1
     prompts = Prompts(client, text, time.strftime("%Y%m%dT%H%M%S"))
+    # The first bridge pays the engines' first-request costs: not a row.
+    warm(prompts.make(WARM_UP_TOKENS)["messages"][0]["content"], args.out, args.front)
     rows, ids = [], {}
-    for target in [WARM_UP_TOKENS, *lengths]:  # the first pays the engines' first-request costs
+    for target in lengths:
         prompt = prompts.make(target)
         with client.post("/pd/v1/tokenize", {"messages": prompt["messages"]}) as r:
-            tokens = json.load(r)["tokens"]
-        row = {"target": target, **warm(prompt["messages"][0]["content"], args.out, args.front)}
-        print(json.dumps(row), flush=True)
-        rows.append(row)
-        ids[str(target)] = tokens
-    rows, ids = rows[1:], dict(list(ids.items())[1:])
+            ids[str(target)] = json.load(r)["tokens"]
+        rows.append({"target": target, **warm(prompt["messages"][0]["content"], args.out, args.front)})
+        print(json.dumps(rows[-1]), flush=True)
     (args.out / "prompts.json").write_text(json.dumps(ids))
     (args.out / "bridged.json").write_text(json.dumps(rows, indent=2))
 

@@ -76,14 +76,15 @@ def captured_states(hidden, capture_layer_ids: list[int], layers: list[int]) -> 
     `hidden`: numpy, or a torch tensor on the host. bf16 (no numpy type) travels as its bits and
     MLX reinterprets them: no float32 copy on the host, half the bytes into MLX, and the same
     values (every bf16 is exact in float32, so the cast the cache path makes sees what it saw)."""
-    if not isinstance(hidden, np.ndarray):
+    if isinstance(hidden, np.ndarray):
+        states = mx.array(hidden)
+    else:
         import torch
 
-        bf16 = hidden.dtype == torch.bfloat16
-        hidden = hidden.view(torch.int16).numpy() if bf16 else hidden.float().numpy()
-        states = mx.array(hidden).view(mx.bfloat16) if bf16 else mx.array(hidden)
-    else:
-        states = mx.array(hidden)
+        if hidden.dtype == torch.bfloat16:
+            states = mx.array(hidden.view(torch.int16).numpy()).view(mx.bfloat16)
+        else:
+            states = mx.array(hidden.float().numpy())
     order = [capture_layer_ids.index(layer) for layer in layers]
     return states if order == list(range(states.shape[1])) else states[:, mx.array(order), :]
 
