@@ -361,7 +361,7 @@ async fn read_message(
     stream.read_exact(&mut header).await?;
     let header: Header = serde_json::from_slice(&header).map_err(|e| CaptureError::Malformed(e.to_string()))?;
     Ok(Some(match header {
-        Header::Block { request_id, block_index, payload_bytes, tensors, stage } => {
+        Header::Block { request_id, block_index, payload_bytes, mut tensors, stage } => {
             if let Some(t) = tensors.iter().find(|t| t.offset.saturating_add(t.nbytes) > payload_bytes) {
                 return Err(CaptureError::Malformed(format!("tensor {}.{} outside the payload", t.layer, t.name)));
             }
@@ -371,6 +371,7 @@ async fn read_message(
                     if tokio::io::copy(&mut rest, &mut tokio::io::sink()).await? < payload_bytes as u64 {
                         return Err(CaptureError::Io(std::io::ErrorKind::UnexpectedEof.into()));
                     }
+                    tensors.clear(); // the payload they pointed into is dropped
                     Bytes::new()
                 }
                 Some(limit) if payload_bytes > limit => {
