@@ -64,12 +64,14 @@ tier() {
 fast() {
   suites=(common/engine/tests 'test_*.py' decoded/engine/tests test_golden.py
           decoded/engine/tests test_stop_text.py prefilld/engine/tests test_params.py
-          prefilld/engine/tests test_capture.py bench/gpu test_carry.py)
+          prefilld/engine/tests test_capture.py prefilld/engine/tests test_streamer.py
+          bench/gpu test_carry.py)
   tier 'not binary(engines)' "$@"
 }
 
 engines() {
-  suites=(decoded/engine/tests test_adapter.py prefilld/engine/tests 'test_*.py')
+  suites=(decoded/engine/tests test_adapter.py prefilld/engine/tests test_plugin.py
+          prefilld/engine/tests test_reconstruct.py prefilld/engine/tests test_deepseek_v41.py)
   tier 'binary(engines)' "$@"
 }
 

@@ -171,11 +171,14 @@ mlx_cuda() {
 }
 
 # The prefill box at real shape. `bridged` restarts both daemons on the 8B-shaped model (the
-# decoder 4-bit, or dense: the bf16 prefill folder, which mlx-lm loads as it is) with configs
-# derived from deploy/examples/; `native` stops them, so vLLM alone has the GPU.
+# decoder 4-bit, or dense: the bf16 prefill folder, which mlx-lm loads as it is; the plugin's
+# handoff host, device or auto) with configs derived from deploy/examples/; `native` stops them, so
+# vLLM alone has the GPU, and times it on the token ids of the first bridged run's prompts.
 prefill_box() {
-  local phase=${1:?remote prefill-box bridged [4bit|dense]|native} setting=4bit decoder=models/llama8b-mlx
-  local box=var/gpu-8b status=0
+  local phase=${1:?remote prefill-box bridged [4bit|dense] [host|device|auto]|native} setting=4bit
+  local decoder=models/llama8b-mlx handoff=auto box=var/gpu-8b status=0 prompts
+  # Inside the device's 600 s a call: what was measured is copied out even when time runs out.
+  local limit=${PREFILL_BOX_LIMIT:-480}
   shift
   mkdir -p "$box/results"
   .venv/bin/python bench/gpu/llama8b.py
@@ -183,22 +186,26 @@ prefill_box() {
   if [ "$phase" = native ]; then
     stop
     # VLLM_PLUGINS empty: vLLM alone, without the plugin's model classes.
-    VLLM_PLUGINS= VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONPATH=bench PYTHONUNBUFFERED=1 .venv/bin/python \
-      bench/gpu/prefill_box.py native --prompts "$box/results/4bit/prompts.json" --out "$box/results" "$@" 2>&1 |
-      tee "$box/results/native.log"
-    status=$?
+    prompts=$(ls "$box"/results/*/prompts.json | head -1)
+    VLLM_PLUGINS= VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONPATH=bench PYTHONUNBUFFERED=1 timeout "$limit" \
+      .venv/bin/python bench/gpu/prefill_box.py native --prompts "$prompts" --out "$box/results" "$@" 2>&1 |
+      tee -a "$box/results/native.log"
+    status=${PIPESTATUS[0]}
   else
     case "${1:-}" in 4bit | dense) setting=$1; shift ;; esac
+    case "${1:-}" in host | device | auto) handoff=$1; shift ;; esac
     [ "$setting" = 4bit ] || decoder=models/llama8b-hf
     sed -e "s|^model = .*|model = \"$decoder\"|" -e 's|^dtype = .*|dtype = "bfloat16"|' \
       -e 's|^budget_bytes = .*|budget_bytes = 48000000000|' deploy/examples/decoded.toml >"$box/decoded.toml"
     sed -e 's|^model = .*|model = "models/llama8b-hf"|' -e 's|^dtype = .*|dtype = "bfloat16"|' \
       -e 's|^max_model_len = .*|max_model_len = 135168|' -e 's|"--gpu-memory-utilization", "0.5"|"--gpu-memory-utilization", "0.7"|' \
-      deploy/examples/prefilld-cuda.toml >"$box/prefilld.toml"
+      -e "s|^handoff = .*|handoff = \"$handoff\"|" deploy/examples/prefilld-cuda.toml >"$box/prefilld.toml"
+    setting=$setting-$handoff
     DECODED_CONFIG="$box/decoded.toml" PREFILLD_CONFIG="$box/prefilld.toml" start &&
-      PYTHONPATH=bench PYTHONUNBUFFERED=1 .venv/bin/python bench/gpu/prefill_box.py bridged --out "$box/results/$setting" "$@" 2>&1 |
+      PYTHONPATH=bench PYTHONUNBUFFERED=1 timeout "$limit" \
+        .venv/bin/python bench/gpu/prefill_box.py bridged --out "$box/results/$setting" "$@" 2>&1 |
       tee "$box/results/bridged-$setting.log"
-    status=$?
+    status=${PIPESTATUS[0]}
     cp "$run/prefilld.log" "$run/decoded.log" "$box/results/$setting/" 2>/dev/null
   fi
   set -e

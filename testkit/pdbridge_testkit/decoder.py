@@ -7,13 +7,13 @@ from pathlib import Path
 from . import MLX_DIR
 
 
-def decoder_bundle(bundle_dir: Path) -> tuple[str, str]:
+def decoder_bundle(bundle_dir: Path, model_dir: Path = MLX_DIR) -> tuple[str, str]:
     """The reconstruction bundle exactly as decoded's decoder adapter exports it (float32 decoder,
-    like prefilld would fetch with GetBundle): (path, sha256)."""
+    like prefilld would fetch with GetBundle) for the test model or `model_dir`: (path, sha256)."""
     import mlx.core as mx
     from pdbridge_mlx.engine import Engine
 
-    engine = Engine(str(MLX_DIR), block_tokens=256, dtype=mx.float32, bundle_dir=str(bundle_dir))
+    engine = Engine(str(model_dir), block_tokens=256, dtype=mx.float32, bundle_dir=str(bundle_dir))
     return str(engine.bundle_path), engine.bundle_sha256
 
 

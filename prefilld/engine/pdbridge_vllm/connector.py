@@ -44,7 +44,10 @@ on CPU, threads — that reconstruct layers in parallel; the result is bit-ident
 cache keeps a row per token: bit-identical to one call per block on the CPU, and what a GPU's rate
 depends on), ``dense_weights`` (false; dequantize the decoder's weights once — for a GPU, where the
 cache cannot be the decoder's bits anyway; see `reconstruct.load`). prefilld passes its
-``[engine.plugin]`` table here.
+``[engine.plugin]`` table here. ``handoff`` ("auto"; how states reach MLX and blocks leave it:
+"host", or "device" — on a CUDA GPU shared with MLX's CUDA backend, copied on the GPU; "auto" takes
+"device" where its probe passes, see `handoff.py`), ``max_sending_mb`` (256; finished blocks
+waiting for the socket — past it reconstruction waits).
 """
 
 from __future__ import annotations
@@ -163,7 +166,9 @@ class PdBridgeConnector(KVConnectorBase_V1, SupportsHMA):
                                    socket_timeout_s=float(extra("socket_timeout_s", 60.0)),
                                    cpus=extra("streamer_cpus", "all"),
                                    mlx_streams=int(extra("mlx_streams", 2)),
-                                   dense_weights=bool(extra("dense_weights", False)))
+                                   dense_weights=bool(extra("dense_weights", False)),
+                                   handoff=str(extra("handoff", "auto")),
+                                   max_sending_mb=float(extra("max_sending_mb", 256)))
 
     @staticmethod
     def _find_cache_kv_group_id(kv_cache_config: KVCacheConfig | None) -> int:
@@ -429,11 +434,11 @@ class PdBridgeConnector(KVConnectorBase_V1, SupportsHMA):
             count = min(self._blocks_per_call, st.params.end_block - st.next_block,
                         st.captured // B - st.next_block)
             hidden = self._gather(st, st.next_block * B, (st.next_block + count) * B)
-            st.stream.capture_ms += (time.perf_counter() - t0) * 1e3
+            st.stream.ms["capture"] += (time.perf_counter() - t0) * 1e3
             self._streamer.submit_blocks(st.stream, st.next_block, hidden)  # may wait: backpressure
             st.next_block += count
             t0 = time.perf_counter()
-        st.stream.capture_ms += (time.perf_counter() - t0) * 1e3
+        st.stream.ms["capture"] += (time.perf_counter() - t0) * 1e3
 
         if prog.prompt_done:
             if st.captured != st.prompt_len:
@@ -476,10 +481,10 @@ class PdBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         return True
 
     def _gather(self, st: _WorkerState, start: int, end: int) -> torch.Tensor:
-        """Positions [start, end): [T, n_captured, hidden] on the host, in the engine's dtype, copied
-        out of the paged hidden-states cache (so vLLM may free or reuse the blocks right after) or,
-        on the stage route, taken from the rows held since their steps; float32 conversion happens
-        on the streamer thread."""
+        """Positions [start, end): [T, n_captured, hidden] in the engine's dtype, copied out of the
+        paged hidden-states cache on its device (so vLLM may free or reuse the blocks right after;
+        the streamer moves the copy into MLX) or, on the stage route, taken from the rows held on
+        the host since their steps."""
         if self._recorder is not None:
             held = torch.cat(st.held) if len(st.held) > 1 else st.held[0]
             n = end - start  # `held` starts at `start`: blocks leave in order
@@ -487,7 +492,7 @@ class PdBridgeConnector(KVConnectorBase_V1, SupportsHMA):
             return held[:n]
         slots = self._slots(st, start, end).to(self._kv_cache.device)
         bs = self._block_size
-        return self._kv_cache[slots // bs, :, slots % bs].to("cpu")  # advanced indexing copies
+        return self._kv_cache[slots // bs, :, slots % bs]  # advanced indexing copies, on the cache's device
 
     def _fail(self, st: _WorkerState, reason: str, message: str) -> None:
         st.finished = True

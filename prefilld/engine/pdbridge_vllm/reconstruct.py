@@ -16,13 +16,13 @@ from __future__ import annotations
 import hashlib
 
 import mlx.core as mx
-import numpy as np
 from pdbridge_cache.kinds import TOKEN_AXIS
 from pdbridge_cache.layers import BundleError as CodecBundleError
 from pdbridge_cache.layers import CachePath
-from pdbridge_cache.safetensors_io import dtype_name, tensor_bytes
+from pdbridge_cache.safetensors_io import dtype_name
 
 from . import protocol
+from .handoff import HostHandoff
 
 # A layer's tensor in a block of layer inputs (the decoder names it so).
 LAYER_INPUT = "input"
@@ -70,37 +70,31 @@ def load(path: str, expected_sha256: str | None, dense_weights: bool = False) ->
     return cache_path
 
 
-def captured_states(hidden, capture_layer_ids: list[int], layers: list[int]) -> mx.array:
+def captured_states(hidden, capture_layer_ids: list[int], layers: list[int], handoff=None,
+                    event=None) -> mx.array:
     """The captured states of `layers` (out of the engine's `capture_layer_ids`) as one MLX array
     [T, len(layers), hidden] in the engine's dtype; the cache path casts it to the decoder's.
-    `hidden`: numpy, or a torch tensor on the host. bf16 (no numpy type) travels as its bits and
-    MLX reinterprets them: no float32 copy on the host, half the bytes into MLX, and the same
-    values (every bf16 is exact in float32, so the cast the cache path makes sees what it saw)."""
-    if isinstance(hidden, np.ndarray):
-        states = mx.array(hidden)
-    else:
-        import torch
-
-        if hidden.dtype == torch.bfloat16:
-            states = mx.array(hidden.view(torch.int16).numpy()).view(mx.bfloat16)
-        else:
-            states = mx.array(hidden.float().numpy())
+    `hidden`: numpy, or a torch tensor on the host or (with the `event` its producer recorded) a
+    GPU, handed over by `handoff` (`handoff.HostHandoff` by default). bf16 travels as its bits:
+    no float32 copy, and the same values (every bf16 is exact in float32, so the cast the cache
+    path makes sees what it saw)."""
+    states = (handoff or HostHandoff()).to_mlx(hidden, event)
     order = [capture_layer_ids.index(layer) for layer in layers]
     return states if order == list(range(states.shape[1])) else states[:, mx.array(order), :]
 
 
 def block(path: CachePath, hidden: mx.array, offset: int, streams: list | None = None,
-          states: dict | None = None, only_states: bool = False):
-    """One block's tensors for the wire: `hidden` = [T, len(path.layers), hidden] (`captured_states`) at
-    positions offset..offset+T; `states` the request's recurrent states, advanced (see
-    `CachePath.block`). Returns (tensor headers, payload parts), layers ascending and each layer's
-    tensors in its codec's order."""
-    return _wire(path.block(hidden, offset, streams, states, only_states))
+          states: dict | None = None, only_states: bool = False) -> list:
+    """One block's tensors (`wire` turns them into the message): `hidden` = [T, len(path.layers),
+    hidden] (`captured_states`) at positions offset..offset+T; `states` the request's recurrent
+    states, advanced (see `CachePath.block`). (layer, name, array) rows, layers ascending and each
+    layer's tensors in its codec's order."""
+    return path.block(hidden, offset, streams, states, only_states)
 
 
-def blocks(path: CachePath, hidden: mx.array, offset: int, block_tokens: int, streams: list | None = None):
+def blocks(path: CachePath, hidden: mx.array, offset: int, block_tokens: int, streams: list | None = None) -> list:
     """Consecutive whole blocks (`hidden`: [k * block_tokens, layers, hidden]) computed in one call
-    and cut into each block's wire tensors, in order. Tokens per call decide a GPU's rate (calls of
+    and cut into each block's rows, in order. Tokens per call decide a GPU's rate (calls of
     256 tokens run at a quarter of the rate of 8,192-token ones on MLX's CUDA backend); a token's
     rows do not depend on the tokens computed beside it (on the CPU, bit for bit), so the cut
     blocks are what one call per block gives. Not for a path with a state or pools (`per_block`:
@@ -115,28 +109,31 @@ def blocks(path: CachePath, hidden: mx.array, offset: int, block_tokens: int, st
             out = []
             for k in range(count):
                 cut[TOKEN_AXIS] = slice(k * block_tokens, (k + 1) * block_tokens)
-                out.append(_wire([(layer, name, a[tuple(cut)]) for layer, name, a in rows]))
+                out.append([(layer, name, a[tuple(cut)]) for layer, name, a in rows])
             return out
     return [block(path, hidden[k * block_tokens:(k + 1) * block_tokens], offset + k * block_tokens, streams)
             for k in range(count)]
 
 
-def layer_inputs(path: CachePath, hidden: mx.array):
-    """One block's layer inputs for the wire, for a decoder that computes its cache itself
-    (`hidden`: [T, len(path.layers), hidden], `captured_states`): each layer's cast to the decoder's
+def layer_inputs(path: CachePath, hidden: mx.array) -> list:
+    """One block's layer inputs, for a decoder that computes its cache itself (`hidden`:
+    [T, len(path.layers), hidden], `captured_states`): each layer's cast to the decoder's
     activation dtype, the cast its cache path starts with, so from them the decoder computes what
-    `block` would on its backend. Returns (tensor headers, payload parts) as `block` does."""
-    inputs = [(layer, LAYER_INPUT, mx.array(hidden[:, j, :]).astype(path.dtype)) for j, layer in enumerate(path.layers)]
-    mx.eval([a for _, _, a in inputs])
-    return _wire(inputs)
+    `block` would on its backend. Rows as `block` gives them."""
+    return [(layer, LAYER_INPUT, hidden[:, j, :].astype(path.dtype)) for j, layer in enumerate(path.layers)]
 
 
-def _wire(rows: list) -> tuple[list, list]:
-    headers, parts, at = [], [], 0
+def wire(rows: list, handoff=None) -> tuple[list, list]:
+    """A block's rows as its message: tensor headers and the payload, every tensor's bytes back to
+    back in one buffer laid out in MLX (so a GPU's block leaves in one copy, not one per tensor or
+    a strided read per cut block)."""
+    headers, flat, at = [], [], 0
     for layer, name, array in rows:
-        data = tensor_bytes(array)
+        nbytes = array.nbytes
         headers.append({"layer": layer, "name": name, "dtype": dtype_name(array.dtype),
-                        "shape": list(array.shape), "offset": at, "nbytes": len(data)})
-        parts.append(data)
-        at += len(data)
-    return headers, parts
+                        "shape": list(array.shape), "offset": at, "nbytes": nbytes})
+        flat.append(mx.flatten(array).view(mx.uint8))
+        at += nbytes
+    payload = mx.concatenate(flat) if len(flat) > 1 else flat[0]
+    mx.eval(payload)
+    return headers, [(handoff or HostHandoff()).to_host(payload)]

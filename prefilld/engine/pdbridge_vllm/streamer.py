@@ -1,18 +1,21 @@
-"""The plugin's background thread: reconstruct blocks with MLX and stream them to prefilld.
+"""The plugin's background threads: reconstruct blocks with MLX and stream them to prefilld.
 
 The engine's step loop only gathers captured hidden states (a copy, so vLLM may free or reuse its
-blocks at once) and queues them here; MLX compute and socket writes happen on this one thread, so
-prefill of the next chunk overlaps reconstruction and transfer of the previous one. The queue is
-bounded: when prefilld or MLX falls behind, the step loop waits (backpressure) instead of holding
-the whole prompt's hidden states in memory.
+blocks at once; on a GPU it stays there, the streamer moves it) and queues them here. One thread
+hands them to MLX and computes each block (`reconstruct`, through the `handoff` chosen at start);
+a second writes finished blocks to the socket. So prefill of the next chunk overlaps
+reconstruction of the last one, which overlaps the transfer of the one before. Both queues are
+bounded in bytes: when prefilld or MLX falls behind, the step loop waits (backpressure) instead of
+holding the whole prompt's hidden states in memory.
 
-MLX work stays on this single thread (bundle loads included), which also keeps MLX's per-thread
-stream state in one place.
+MLX work stays on the one reconstruction thread (bundle loads included), which also keeps MLX's
+per-thread stream state in one place. A request's messages leave in the order they were queued.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import os
 import socket
@@ -31,6 +34,8 @@ logger = logging.getLogger("vllm.pdbridge_vllm")
 
 # What a request's blocks carry (`payload` of its params).
 CACHE, LAYER_INPUTS = "cache", "layer_inputs"
+# The stages a request's `done` reports the time of (`RequestStream.ms`).
+STAGES = ("capture", "to_mlx", "reconstruct", "to_host", "send")
 
 
 @dataclass
@@ -92,15 +97,16 @@ class RequestStream:
     by the step loop (a stale read only costs one wasted gather)."""
 
     params: BridgeParams
-    capture_ms: float = 0.0  # step loop: time spent gathering hidden states
-    reconstruct_ms: float = 0.0  # streamer: MLX time
-    send_ms: float = 0.0  # streamer: socket time
+    # Milliseconds per stage: capture (step loop: gathering states), to_mlx (the states into MLX),
+    # reconstruct (MLX computing blocks), to_host (blocks out of MLX), send (the socket).
+    ms: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
     blocks_emitted: int = 0
     # The decoder's recurrent layers' states after the blocks reconstructed so far (streamer).
     states: dict | None = None
     failed: bool = False
     closed: bool = False
-    sock: socket.socket | None = field(default=None, repr=False)
+    # The request's connection (opened by the first message); False once it failed.
+    sock: socket.socket | None | bool = field(default=None, repr=False)
 
 
 class _BoundedQueue:
@@ -133,27 +139,32 @@ class _BoundedQueue:
 
 
 class Streamer:
-    """Queue + thread. `submit_*` are called from the engine's step loop and never raise for
+    """Queues + threads. `submit_*` are called from the engine's step loop and never raise for
     per-request problems: those become `error` messages on the request's stream."""
 
     def __init__(self, capture_layer_ids: list[int], max_queued_mb: float = 256,
                  socket_timeout_s: float = 60.0, cpus: str | None = "all", mlx_streams: int = 2,
                  max_bundles: int = 2, dense_weights: bool = False,
-                 stage: tuple[int, int] | None = None):
+                 stage: tuple[int, int] | None = None, handoff: str = "auto",
+                 max_sending_mb: float = 256):
         self._capture_layer_ids = list(capture_layer_ids)
         # (index, count) of this pipeline stage, which captures and sends only its own layers'
         # part of every block; prefilld assembles a block from every stage's part. None: all.
         self._stage = stage
         self._num_mlx_streams = max(1, mlx_streams)
-        self._mlx_streams: list | None = None  # created on the streamer thread
+        self._mlx_streams: list | None = None  # created on the reconstruction thread
+        self._handoff_kind = handoff
+        self._handoff = None  # chosen on the reconstruction thread (it imports MLX)
         self._queue = _BoundedQueue(int(max_queued_mb * 2**20))
+        # Finished messages waiting for the socket, bounded in payload bytes.
+        self._outbox = _BoundedQueue(int(max_sending_mb * 2**20))
         self._socket_timeout_s = socket_timeout_s
         self._cpus = cpus
         # sha256 -> the decoder's CachePath, least recently used first.
         self._bundles: collections.OrderedDict[str, Any] = collections.OrderedDict()
         self._max_bundles = max_bundles
         self._dense_weights = dense_weights
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
 
     # ---- step-loop side -------------------------------------------------------------------------
@@ -165,11 +176,13 @@ class Streamer:
     def submit_blocks(self, stream: RequestStream, first_index: int, hidden, tail: bool = False) -> None:
         """`hidden`: [rows, n_captured, hidden_size], the captured residual stream of consecutive
         whole blocks from `first_index` (or of the tail), as a numpy array or a torch tensor in the
-        engine's dtype (handed to MLX on the streamer thread, off the step loop). Waits while
-        the queue is over budget: backpressure."""
+        engine's dtype, on the host or the GPU (handed to MLX on the reconstruction thread, off the
+        step loop, once the GPU has written it). Waits while the queue is over budget: backpressure."""
+        from .handoff import ready_event
+
         nbytes = (hidden.nbytes if isinstance(hidden, np.ndarray)
                   else hidden.numel() * hidden.element_size())
-        self._put(("blocks", stream, (first_index, hidden, tail)), nbytes)
+        self._put(("blocks", stream, (first_index, hidden, ready_event(hidden), tail)), nbytes)
 
     def submit_done(self, stream: RequestStream, num_tokens: int) -> None:
         self._put(("done", stream, num_tokens))
@@ -179,25 +192,29 @@ class Streamer:
         self._put(("error", stream, (reason, message)))
 
     def close(self) -> None:
-        if self._thread is not None:
-            self._queue.put(None)
-            self._thread.join(timeout=10)
+        if self._threads:
+            self._queue.put(None)  # the reconstruction thread passes it on to the sender
+            for thread in self._threads:
+                thread.join(timeout=10)
 
     def _put(self, item, nbytes: int = 0) -> None:
         with self._lock:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="pdbridge-streamer",
-                                                daemon=True)
-                self._thread.start()
+            if not self._threads:
+                self._threads = [threading.Thread(target=run, name=name, daemon=True)
+                                 for name, run in (("pdbridge-reconstruct", self._run),
+                                                   ("pdbridge-sender", self._run_sender))]
+                for thread in self._threads:
+                    thread.start()
         self._queue.put(item, nbytes)
 
-    # ---- streamer thread --------------------------------------------------------------------------
+    # ---- reconstruction thread ------------------------------------------------------------------
 
     def _run(self) -> None:
         self._widen_affinity()
         while True:
             item, nbytes = self._queue.get()
             if item is None:
+                self._outbox.put(None)
                 return
             try:
                 self._handle(*item)
@@ -246,6 +263,13 @@ class Streamer:
                                  for _ in range(self._num_mlx_streams)]
         return self._mlx_streams
 
+    def _handoff_for(self):
+        if self._handoff is None:
+            from . import handoff
+
+            self._handoff = handoff.choose(self._handoff_kind)
+        return self._handoff
+
     def _bundle(self, stream: RequestStream):
         from . import reconstruct  # imports MLX, on this thread only
 
@@ -276,7 +300,7 @@ class Streamer:
         self._bundles.move_to_end(key)
         return path
 
-    def _emit_blocks(self, stream: RequestStream, first_index: int, hidden, tail: bool) -> None:
+    def _emit_blocks(self, stream: RequestStream, first_index: int, hidden, event, tail: bool) -> None:
         from . import reconstruct
 
         path = self._bundle(stream)
@@ -284,39 +308,31 @@ class Streamer:
             self._fail(stream, protocol.BUNDLE_MISMATCH,
                        f"captured hidden size {hidden.shape[2]} != the decoder's {path.hidden_size}")
             return
-        hidden = reconstruct.captured_states(hidden, self._capture_layer_ids, path.layers)
+        with _clock(stream, "to_mlx"):
+            hidden = reconstruct.captured_states(hidden, self._capture_layer_ids, path.layers,
+                                                 self._handoff_for(), event)
         B = stream.params.block_tokens
+        count = 1 if tail else hidden.shape[0] // B
         if stream.params.payload == LAYER_INPUTS:
-            self._emit_layer_inputs(stream, path, first_index, hidden, tail)
+            if path.recurrent:
+                self._fail(stream, protocol.BAD_PARAMS, "layer inputs cannot carry a recurrent state: the "
+                           "decoder would need every block before the first it is sent")
+                return
+            for k in range(count):
+                self._send_block(stream, first_index + k, reconstruct.layer_inputs(path, hidden[k * B:(k + 1) * B]), tail)
             return
-        if tail or path.per_block or hidden.shape[0] <= B:
-            for k in range(1 if tail else hidden.shape[0] // B):
+        if tail or path.per_block or count == 1:
+            for k in range(count):
                 self._emit_block(stream, path, first_index + k, hidden[k * B:(k + 1) * B], tail)
             return
-        t0 = time.perf_counter()
         try:
-            wire = reconstruct.blocks(path, hidden, first_index * B, B, self._streams())
+            with _clock(stream, "reconstruct"):
+                rows = reconstruct.blocks(path, hidden, first_index * B, B, self._streams())
         except Exception as e:
             self._fail(stream, protocol.RECONSTRUCT_FAILED, f"blocks from {first_index}: {e}")
             return
-        stream.reconstruct_ms += (time.perf_counter() - t0) * 1e3
-        for k, (tensors, payload) in enumerate(wire):
-            self._send_block(stream, first_index + k, tensors, payload, tail=False)
-
-    def _emit_layer_inputs(self, stream: RequestStream, path, first_index: int, hidden,
-                           tail: bool) -> None:
-        from . import reconstruct
-
-        if path.recurrent:
-            self._fail(stream, protocol.BAD_PARAMS, "layer inputs cannot carry a recurrent state: the decoder "
-                       "would need every block before the first it is sent")
-            return
-        B = stream.params.block_tokens
-        for k in range(1 if tail else hidden.shape[0] // B):
-            t0 = time.perf_counter()
-            tensors, payload = reconstruct.layer_inputs(path, hidden[k * B:(k + 1) * B])
-            stream.reconstruct_ms += (time.perf_counter() - t0) * 1e3
-            self._send_block(stream, first_index + k, tensors, payload, tail)
+        for k, block_rows in enumerate(rows):
+            self._send_block(stream, first_index + k, block_rows, tail=False)
 
     def _emit_block(self, stream: RequestStream, path, block_index: int, hidden, tail: bool) -> None:
         from . import reconstruct
@@ -325,19 +341,21 @@ class Streamer:
             stream.states = path.new_states()
         # A block the decoder already has: reconstructed only to carry the state on.
         known = block_index < stream.params.first_block
-        t0 = time.perf_counter()
         try:
-            tensors, payload = reconstruct.block(path, hidden, offset=block_index * stream.params.block_tokens,
-                                                 streams=self._streams(), states=stream.states,
-                                                 only_states=known)
+            with _clock(stream, "reconstruct"):
+                rows = reconstruct.block(path, hidden, offset=block_index * stream.params.block_tokens,
+                                         streams=self._streams(), states=stream.states, only_states=known)
         except Exception as e:
             self._fail(stream, protocol.RECONSTRUCT_FAILED, f"block {block_index}: {e}")
             raise _StreamFailed from None
-        stream.reconstruct_ms += (time.perf_counter() - t0) * 1e3
         if not known:
-            self._send_block(stream, block_index, tensors, payload, tail)
+            self._send_block(stream, block_index, rows, tail)
 
-    def _send_block(self, stream: RequestStream, block_index: int, tensors: list, payload: list, tail: bool) -> None:
+    def _send_block(self, stream: RequestStream, block_index: int, rows: list, tail: bool) -> None:
+        from . import reconstruct
+
+        with _clock(stream, "to_host"):
+            tensors, payload = reconstruct.wire(rows, self._handoff_for())
         header = {"type": "block", "request_id": stream.params.request_id,
                   "block_index": block_index, "payload_bytes": sum(t["nbytes"] for t in tensors),
                   "tensors": tensors}
@@ -345,57 +363,83 @@ class Streamer:
         stream.blocks_emitted += not tail  # the tail is not one of the request's blocks
 
     def _emit_done(self, stream: RequestStream, num_tokens: int) -> None:
-        header = {"type": "done", "request_id": stream.params.request_id, "num_tokens": num_tokens,
-                  "blocks_emitted": stream.blocks_emitted,
-                  "timings_ms": {"capture": round(stream.capture_ms, 3),
-                                 "reconstruct": round(stream.reconstruct_ms, 3),
-                                 "send": round(stream.send_ms, 3)}}
-        self._send(stream, header)
-        self._close(stream)
+        # The sender fills in the timings when it sends it: its own socket time is the last.
+        self._send(stream, {"type": "done", "request_id": stream.params.request_id,
+                            "num_tokens": num_tokens, "blocks_emitted": stream.blocks_emitted})
+        self._send(stream, None)  # then close
 
     def _fail(self, stream: RequestStream, reason: str, message: str) -> None:
-        stream.failed = True
-        if stream.closed:
+        if stream.failed and stream.closed:
             return
+        stream.failed = True
         logger.warning("pdbridge: request %s failed: %s: %s", stream.params.request_id, reason,
                        message)
-        try:
-            self._send(stream, {"type": "error", "request_id": stream.params.request_id,
-                                "reason": reason, "message": message})
-        except _StreamFailed:
-            pass
-        self._close(stream)
+        self._send(stream, {"type": "error", "request_id": stream.params.request_id,
+                            "reason": reason, "message": message})
+        self._send(stream, None)
 
-    def _send(self, stream: RequestStream, header: dict, payload=()) -> None:
-        if self._stage is not None:
+    def _send(self, stream: RequestStream, header: dict | None, payload=()) -> None:
+        """Queues a message (None: close the stream) for the sender thread; the closing one marks
+        the stream closed at once, so no later work for it is queued."""
+        if header is None:
+            stream.closed = True
+        elif self._stage is not None:
             header["stage"], header["stages"] = self._stage
-        t0 = time.perf_counter()
-        try:
-            if stream.sock is None:  # lazily: the first message opens the request's connection
-                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                s.settimeout(self._socket_timeout_s)
-                stream.sock = s
-                s.connect(stream.params.socket)
-            protocol.send_message(stream.sock, header, payload)
-        except OSError as e:
-            # Nowhere left to report it; prefilld sees the connection fail or never open.
-            logger.error("pdbridge: socket %s for %s: %s", stream.params.socket,
-                         stream.params.request_id, e)
-            stream.failed = True
-            self._close(stream)
-            raise _StreamFailed from None
-        finally:
-            stream.send_ms += (time.perf_counter() - t0) * 1e3
+        self._outbox.put((stream, header, payload), sum(len(p) for p in payload))
+
+    # ---- sender thread ----------------------------------------------------------------------------
+
+    def _run_sender(self) -> None:
+        while True:
+            item, nbytes = self._outbox.get()
+            try:
+                if item is None:
+                    return
+                stream, header, payload = item
+                if header is None:
+                    self._close(stream)
+                elif stream.sock is not False:  # False: its connection failed; drop the rest
+                    if header["type"] == "done":
+                        header["timings_ms"] = {k: round(v, 3) for k, v in stream.ms.items()}
+                    self._write(stream, header, payload)
+            finally:
+                self._outbox.release(nbytes)
+
+    def _write(self, stream: RequestStream, header: dict, payload) -> None:
+        with _clock(stream, "send"):
+            try:
+                if stream.sock is None:  # lazily: the first message opens the request's connection
+                    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                    s.settimeout(self._socket_timeout_s)
+                    stream.sock = s
+                    s.connect(stream.params.socket)
+                protocol.send_message(stream.sock, header, payload)
+            except OSError as e:
+                # Nowhere left to report it; prefilld sees the connection fail or never open.
+                logger.error("pdbridge: socket %s for %s: %s", stream.params.socket,
+                             stream.params.request_id, e)
+                stream.failed = stream.closed = True
+                self._close(stream)
+                stream.sock = False
 
     @staticmethod
     def _close(stream: RequestStream) -> None:
         stream.closed = True
-        if stream.sock is not None:
+        if stream.sock:
             try:
                 stream.sock.close()
             except OSError:
                 pass
             stream.sock = None
+
+
+@contextlib.contextmanager
+def _clock(stream: RequestStream, stage: str):
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        stream.ms[stage] += (time.perf_counter() - t0) * 1e3
 
 
 class _StreamFailed(Exception):

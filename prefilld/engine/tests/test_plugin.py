@@ -139,8 +139,9 @@ class ReconstructionTest(unittest.TestCase):
         from pdbridge_vllm import reconstruct
 
         path = reconstruct.load(FX.bundle, FX.sha)
-        together = reconstruct.blocks(path, FX.native_hidden[:T // B * B], 0, B)
-        alone = [reconstruct.block(path, FX.native_hidden[b * B:(b + 1) * B], b * B) for b in range(T // B)]
+        together = [reconstruct.wire(rows) for rows in reconstruct.blocks(path, FX.native_hidden[:T // B * B], 0, B)]
+        alone = [reconstruct.wire(reconstruct.block(path, FX.native_hidden[b * B:(b + 1) * B], b * B))
+                 for b in range(T // B)]
         self.assertEqual(len(together), T // B)
         for b, ((headers, parts), (want_headers, want_parts)) in enumerate(zip(together, alone)):
             self.assertEqual(headers, want_headers, f"block {b}")
@@ -156,12 +157,14 @@ class ReconstructionTest(unittest.TestCase):
         path = reconstruct.load(FX.bundle, FX.sha)
         for b in range(T // B):
             hidden = FX.native_hidden[b * B:(b + 1) * B]
-            headers, parts = reconstruct.layer_inputs(path, hidden)
+            headers, parts = reconstruct.wire(reconstruct.layer_inputs(path, hidden))
             self.assertEqual([(h["layer"], h["name"], h["dtype"], h["shape"]) for h in headers],
                              [(layer, "input", "F32", [B, path.hidden_size]) for layer in path.layers])
-            sent = np.stack([np.frombuffer(bytes(p), dtype="<f4").reshape(B, -1) for p in parts], axis=1)
-            on_decoder = reconstruct._wire(path.block(sent, b * B))
-            in_plugin = reconstruct.block(path, hidden, b * B)
+            payload = b"".join(map(bytes, parts))
+            sent = np.stack([np.frombuffer(payload[h["offset"]:h["offset"] + h["nbytes"]], dtype="<f4").reshape(B, -1)
+                             for h in headers], axis=1)
+            on_decoder = reconstruct.wire(path.block(sent, b * B))
+            in_plugin = reconstruct.wire(reconstruct.block(path, hidden, b * B))
             self.assertEqual(on_decoder[0], in_plugin[0], f"block {b}")
             self.assertEqual(b"".join(map(bytes, on_decoder[1])), b"".join(map(bytes, in_plugin[1])), f"block {b}")
 

@@ -1,0 +1,143 @@
+"""The plugin's streamer without an engine (MLX only): what the step loop queues leaves on the
+request's socket in order, as the blocks the decoder's cache path computes, with every stage's time
+in `done`; a request whose socket fails drops its remaining work while others go on."""
+
+from __future__ import annotations
+
+import socket
+import tempfile
+import threading
+import unittest
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import torch
+
+from pdbridge_testkit import REPO
+from pdbridge_testkit.decoder import decoder_bundle
+from pdbridge_vllm import handoff, protocol, reconstruct
+from pdbridge_vllm.streamer import STAGES, BridgeParams, RequestStream, Streamer
+
+B = 16  # tokens per block
+# What is under test is the threads and queues, not a model: the smallest generated one.
+MODEL = REPO / "models" / "tiny-llama3-mlx"
+
+
+class Listener:
+    """prefilld's side of the plugin socket: every connection's messages, read to its end."""
+
+    def __init__(self, path: str):
+        self.server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.server.bind(path)
+        self.server.listen()
+        self.connections: list[list] = []
+        self.thread = threading.Thread(target=self._accept, daemon=True)
+        self.thread.start()
+
+    def _accept(self):
+        conn, _ = self.server.accept()
+        messages = []
+        self.connections.append(messages)
+        with conn, conn.makefile("rb") as f:
+            while (msg := protocol.read_message(f)) is not None:
+                messages.append(msg)
+
+    def wait(self) -> list:
+        self.thread.join(timeout=120)
+        self.server.close()
+        return self.connections[0]
+
+
+class StreamerTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = tempfile.TemporaryDirectory(prefix="pdb-streamer-")
+        cls.bundle, cls.sha = decoder_bundle(Path(cls.tmp.name), MODEL)
+        cls.path = reconstruct.load(cls.bundle, cls.sha)
+        cls.layers = cls.path.layers
+        rng = np.random.default_rng(0)
+        cls.hidden = rng.standard_normal((4 * B, len(cls.layers), cls.path.hidden_size), dtype=np.float32)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.tmp.cleanup()
+
+    def request(self, name: str, num_blocks: int) -> tuple[RequestStream, str]:
+        sock = str(Path(self.tmp.name) / f"{name}.sock")
+        params = BridgeParams(request_id=name, socket=sock, bundle_path=self.bundle, bundle_sha256=self.sha,
+                              block_tokens=B, first_block=0, num_blocks=num_blocks)
+        return RequestStream(params), sock
+
+    def test_blocks_leave_in_order_as_computed_with_every_stages_time(self):
+        streamer = Streamer(self.layers, handoff="auto", max_queued_mb=0.001, max_sending_mb=0.001)
+        stream, sock = self.request("in-order", 4)
+        listener = Listener(sock)
+        streamer.submit_start(stream)
+        # Two calls of two blocks each; the tiny budgets make every queue wait on the one after it.
+        streamer.submit_blocks(stream, 0, torch.from_numpy(self.hidden[:2 * B]))
+        streamer.submit_blocks(stream, 2, self.hidden[2 * B:])
+        streamer.submit_done(stream, 4 * B)
+        messages = listener.wait()
+        streamer.close()
+        self.assertEqual([h["type"] for h, _ in messages], ["block"] * 4 + ["done"])
+        self.assertEqual([h["block_index"] for h, _ in messages[:4]], [0, 1, 2, 3])
+        for k, (header, payload) in enumerate(messages[:4]):
+            want_headers, want_parts = reconstruct.wire(reconstruct.block(self.path, self.hidden[k * B:(k + 1) * B], k * B))
+            self.assertEqual(header["tensors"], want_headers, f"block {k}")
+            self.assertEqual(payload, b"".join(map(bytes, want_parts)), f"block {k}")
+        done = messages[-1][0]
+        self.assertEqual((done["num_tokens"], done["blocks_emitted"]), (4 * B, 4))
+        self.assertEqual(set(done["timings_ms"]), set(STAGES))
+        for stage in ("to_mlx", "reconstruct", "to_host", "send"):
+            self.assertGreater(done["timings_ms"][stage], 0, stage)
+
+    def test_a_failed_socket_drops_its_request_and_the_next_one_is_served(self):
+        streamer = Streamer(self.layers)
+        lost, _ = self.request("nobody-listens", 2)  # its socket does not exist
+        streamer.submit_start(lost)
+        streamer.submit_blocks(lost, 0, self.hidden[:2 * B])
+        streamer.submit_done(lost, 2 * B)
+        served, sock = self.request("served", 1)
+        listener = Listener(sock)
+        streamer.submit_start(served)
+        streamer.submit_blocks(served, 0, self.hidden[:B])
+        streamer.submit_done(served, B)
+        messages = listener.wait()
+        streamer.close()
+        self.assertTrue(lost.failed and lost.closed)
+        self.assertEqual([h["type"] for h, _ in messages], ["block", "done"])
+
+    def test_a_bad_bundle_is_told_as_an_error_and_ends_the_stream(self):
+        streamer = Streamer(self.layers)
+        stream, sock = self.request("bad-bundle", 1)
+        stream.params.bundle_sha256 = "00" * 32
+        listener = Listener(sock)
+        streamer.submit_start(stream)
+        streamer.submit_blocks(stream, 0, self.hidden[:B])
+        streamer.submit_done(stream, B)
+        messages = listener.wait()
+        streamer.close()
+        self.assertEqual([(h["type"], h.get("reason")) for h, _ in messages], [("error", protocol.BUNDLE_MISMATCH)])
+
+
+class HandoffTest(unittest.TestCase):
+    def test_without_a_gpu_auto_takes_the_host_and_device_is_refused(self):
+        self.assertIsInstance(handoff.choose("auto"), handoff.HostHandoff)
+        self.assertEqual(handoff.choose("auto").name, handoff.HOST)
+        with self.assertRaises(handoff.HandoffError):
+            handoff.choose("device")
+        with self.assertRaises(ValueError):
+            handoff.choose("fast")
+
+    def test_the_host_way_keeps_every_bit(self):
+        h = handoff.HostHandoff()
+        captured = torch.randn(7, 3, 5, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+        arrived = h.to_mlx(captured)
+        self.assertEqual(arrived.dtype, mx.bfloat16)
+        self.assertEqual(bytes(h.to_host(arrived)), captured.view(torch.int16).numpy().tobytes())
+        self.assertEqual(bytes(h.to_host(h.to_mlx(captured.float()))), captured.float().numpy().tobytes())
+
+
+if __name__ == "__main__":
+    unittest.main(verbosity=2)
