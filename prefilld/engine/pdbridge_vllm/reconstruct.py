@@ -120,7 +120,7 @@ def layer_inputs(path: CachePath, hidden: mx.array) -> list:
     [T, len(path.layers), hidden], `captured_states`): each layer's cast to the decoder's
     activation dtype, the cast its cache path starts with, so from them the decoder computes what
     `block` would on its backend. Rows as `block` gives them."""
-    return [(layer, LAYER_INPUT, hidden[:, j, :].astype(path.dtype)) for j, layer in enumerate(path.layers)]
+    return [(layer, LAYER_INPUT, mx.array(hidden[:, j, :]).astype(path.dtype)) for j, layer in enumerate(path.layers)]
 
 
 def wire(rows: list, handoff=None) -> tuple[list, list]:

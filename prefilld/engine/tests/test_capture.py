@@ -6,12 +6,15 @@ as the CUDA kernel does, under the plugin's `Recorder` over vLLM's own EAGLE-3 c
 
 from __future__ import annotations
 
+import os
 import unittest
+from unittest import mock
 
 import torch
 from torch import nn
 from vllm.model_executor.models.interfaces import EagleModelMixin
 
+from pdbridge_vllm import models
 from pdbridge_vllm.models import Recorder
 
 
@@ -81,6 +84,29 @@ class CaptureTest(unittest.TestCase):
         (_, _), captured = model(embedding.clone())
         for got, want in zip(captured, layer_inputs(embedding, self.LAYERS), strict=True):
             torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+class RegistrationTest(unittest.TestCase):
+    """The plugin's classes replace vLLM's own only in an engine the bridge captures from: another
+    vLLM of the environment (on CUDA, in its default CUDA-graph mode) keeps vLLM's classes."""
+
+    def test_vllms_own_classes_stay_unless_the_bridge_captures(self):
+        from vllm import ModelRegistry
+
+        saved = dict(ModelRegistry.models)
+        module = lambda arch: ModelRegistry.models[arch].module_name  # noqa: E731
+        try:
+            with mock.patch.dict(os.environ, {models.CAPTURE_ENV: ""}):
+                models.register()
+            self.assertEqual(module("LlamaForCausalLM"), "vllm.model_executor.models.llama")
+            with mock.patch.dict(os.environ, {models.CAPTURE_ENV: "1"}):
+                models.register()
+            self.assertEqual(module("LlamaForCausalLM"), models.__name__)
+            self.assertEqual(module("Gemma3ForCausalLM"), models.__name__)
+            self.assertEqual(module("DeepseekV41ForCausalLM"), "pdbridge_vllm.deepseek_v41")
+        finally:
+            ModelRegistry.models.clear()
+            ModelRegistry.models.update(saved)
 
 
 if __name__ == "__main__":
