@@ -11,15 +11,16 @@
 #                                 bench/gpu/kit.sh remote stop
 #                                 bench/gpu/kit.sh remote mlx-cuda throughput|fidelity [args]
 #                                   (bench/gpu/mlx_cuda.py, MLX's CUDA backend alone: the pdb-* parts suffice)
-#                                 bench/gpu/kit.sh remote prefill-box bridged [4bit|dense] [args]
+#                                 bench/gpu/kit.sh remote prefill-box bridged [4bit|dense] [host|device|auto] [args]
 #                                 bench/gpu/kit.sh remote prefill-box native [args]
 #                                   (bench/gpu/prefill_box.py on bench/gpu/llama8b.py's model; results
 #                                   kept in var/gpu-8b/results across calls, copied to $OUT)
-# `start` passes PDB_* variables on to both daemons; DECODED_CONFIG and PREFILLD_CONFIG name other configs.
-# Measured on the lent H200 (2026-12-03): the machine's start takes ~6 of its 30 held minutes and it
-# goes back after 30 s idle, so have every call ready before the first. A call per part ~15 s;
-# unpack + start + e2e over 8 prompts 167 s; prefill-box bridged at 8K/32K 175 s (llama8b.py 25 s
-# the first time); native --eager 45 s.
+# `start` passes PDB_* variables on to both daemons; DECODED_CONFIG and PREFILLD_CONFIG name other
+# configs, STORE_DIR another store (e.g. on /dev/shm).
+# Measured on the lent H200 (2026-12-03): the machine's start takes 3-6 of its 30 held minutes and
+# it goes back after 30 s idle, so have every call ready before the first. A call per part ~6-15 s;
+# unpack + start + e2e over 8 prompts 167-241 s; prefill-box bridged at 8K/32K/128K 193 s
+# (llama8b.py 27 s the first time); native --eager 130 s, native in vLLM's default mode 163 s.
 #
 # What travels:
 #   v32-*  vLLM 0.32.0's CUDA wheel without what an sm90 Llama-class run never loads (FlashAttention 2,

@@ -94,24 +94,35 @@ def native(args: argparse.Namespace) -> None:
         (args.out / ("native-eager.json" if args.eager else "native.json")).write_text(json.dumps(rows, indent=2))
 
 
-STAGES = (("capture", (230, 150, 40)), ("to_mlx", (150, 90, 180)), ("reconstruct", (40, 90, 200)),
-          ("to_host", (90, 200, 200)), ("send", (120, 170, 240)), ("wire", (30, 150, 60)))
+# The bars of a length's group: vLLM alone, then each bridged setting of the results (by its prefix).
+BARS = (("vLLM alone (eager)", None, (200, 50, 40)),
+        ("bridged, before part 4", "before", (150, 150, 150)),
+        ("bridged, host handoff", "decoder 4-bit; handoff host", (230, 150, 40)),
+        ("bridged, device handoff", "decoder 4-bit (group 64)", (40, 90, 200)),
+        ("bridged, device, dense decoder", "decoder dense", (30, 150, 60)))
 
 
 def plot(args: argparse.Namespace) -> None:
-    """Per length, vLLM alone and the bridged box's stages side by side, log scale (the stages
-    overlap in time: their sum can exceed the box's total, drawn as the outline)."""
+    """Per length, vLLM alone and the bridged box's total time per setting, log scale, each
+    bridged bar labelled with the share of vLLM's throughput it keeps."""
     from PIL import Image, ImageDraw, ImageFont
 
-    rows = json.loads(args.results.read_text())["prefill_box"]["rows"]
-    width, height, left, top, bottom = 900, 520, 90, 60, 110
+    box = json.loads(args.results.read_text())["prefill_box"]
+    native = {r["prompt_tokens"]: r["native_vllm_s"] for r in box["rows"]}
+    seconds: dict[tuple[int, str], float] = {}
+    for name, prefix, _ in BARS[1:]:
+        for r in box["before"] if prefix == "before" else box["rows"]:
+            if prefix == "before" or r["setting"].startswith(prefix):
+                seconds[r["prompt_tokens"], name] = r["bridged_prefill_box_s"]
+    lengths = sorted(native)
+    width, height, left, top, bottom = 980, 540, 80, 60, 120
     img = Image.new("RGB", (width, height), "white")
     d = ImageDraw.Draw(img)
-    font = ImageFont.load_default(size=14)
-    low, high = 0.1, 10 ** math.ceil(math.log10(max(r["bridged_prefill_box_s"] for r in rows) * 1.5))
+    font = ImageFont.load_default(size=13)
+    low, high = 0.1, 10 ** math.ceil(math.log10(max(seconds.values()) * 1.5))
 
-    def y(seconds: float) -> float:
-        share = (math.log10(max(seconds, low)) - math.log10(low)) / (math.log10(high) - math.log10(low))
+    def y(t: float) -> float:
+        share = (math.log10(max(t, low)) - math.log10(low)) / (math.log10(high) - math.log10(low))
         return height - bottom - (height - top - bottom) * share
 
     decade = low
@@ -119,24 +130,22 @@ def plot(args: argparse.Namespace) -> None:
         d.line([(left, y(decade)), (width - 20, y(decade))], fill=(220, 220, 220))
         d.text((left - 8, y(decade)), f"{decade:g} s", fill="black", font=font, anchor="rm")
         decade *= 10
-    slot = (width - left - 20) / len(rows)
-    for i, r in enumerate(rows):
-        x = left + slot * i + slot * 0.2
-        d.rectangle([x, y(r["native_vllm_s"]), x + 50, y(low)], fill=(200, 50, 40))
-        base = 0.0
-        for stage, color in STAGES:
-            seconds = r["stage_ms"].get(stage, 0) / 1e3
-            if seconds:
-                d.rectangle([x + 60, y(base + seconds), x + 110, y(max(base, low))], fill=color)
-                base += seconds
-        d.rectangle([x + 58, y(r["bridged_prefill_box_s"]), x + 112, y(low)], outline="black", width=2)
-        d.text((x + 55, height - bottom + 10), f"{r['prompt_tokens']:,} tokens: {r['ratio_native_over_bridged']:.1%}",
-               fill="black", font=font, anchor="ma")
-    legend = [("vLLM alone", (200, 50, 40))] + [(f"bridged: {s}", c) for s, c in STAGES]
-    for i, (name, color) in enumerate(legend):
-        lx = left + i * 160
-        d.rectangle([lx, height - 50, lx + 14, height - 36], fill=color)
-        d.text((lx + 20, height - 50), name, fill="black", font=font)
+    slot, bar = (width - left - 20) / len(lengths), 44
+    for i, n in enumerate(lengths):
+        x = left + slot * i + 20
+        for k, (name, _, color) in enumerate(BARS):
+            t = native[n] if k == 0 else seconds.get((n, name))
+            if t is None:
+                continue
+            bx = x + k * (bar + 6)
+            d.rectangle([bx, y(t), bx + bar, y(low)], fill=color)
+            label = f"{t:.2f} s" if k == 0 else f"{native[n] / t:.0%}"
+            d.text((bx + bar / 2, y(t) - 4), label, fill="black", font=font, anchor="mb")
+        d.text((x + 2.5 * (bar + 6), height - bottom + 12), f"{n:,} tokens", fill="black", font=font, anchor="ma")
+    for k, (name, _, color) in enumerate(BARS):
+        lx, ly = left + (k % 3) * 300, height - 62 + (k // 3) * 22
+        d.rectangle([lx, ly, lx + 14, ly + 14], fill=color)
+        d.text((lx + 20, ly), name, fill="black", font=font)
     d.text((width / 2, 20), args.title, fill="black", font=font, anchor="ma")
     img.save(args.png)
 
@@ -158,8 +167,8 @@ def main() -> None:
     g = sub.add_parser("plot", help="the results file's prefill_box rows as a PNG")
     g.add_argument("--results", type=Path, default=Path("bench/results/gpu_e2e.json"))
     g.add_argument("--png", type=Path, default=Path("bench/results/gpu_prefill_box.png"))
-    g.add_argument("--title", default="Prefill box at Llama-3.1-8B shape on one H200: vLLM alone vs bridged "
-                                      "(share of vLLM's throughput kept)")
+    g.add_argument("--title", default="Prefill box at Llama-3.1-8B shape on one H200: vLLM alone vs the bridged box "
+                                      "(labels: share of vLLM's throughput kept)")
     args = p.parse_args()
     if args.phase != "plot":
         args.out.mkdir(parents=True, exist_ok=True)
