@@ -254,7 +254,8 @@ class EngineLog:
 
 
 def timed(client: Client, log: EngineLog, prompt: dict, mode: str, max_tokens: int) -> dict:
-    body = {"messages": prompt["messages"], "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    body = {"messages": prompt["messages"], "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
     offset = log.mark()
     load = list(os.getloadavg())
     started = time.monotonic()
@@ -272,6 +273,9 @@ def timed(client: Client, log: EngineLog, prompt: dict, mode: str, max_tokens: i
                 if "error" in chunk:
                     error = chunk["error"].get("message", str(chunk["error"]))
                     break
+                usage = chunk.get("usage") or usage
+                if not chunk["choices"]:  # the usage chunk that ends the stream
+                    continue
                 choice = chunk["choices"][0]
                 if "content" in choice.get("delta", {}):
                     now = time.monotonic()
@@ -280,7 +284,6 @@ def timed(client: Client, log: EngineLog, prompt: dict, mode: str, max_tokens: i
                     chunks += 1
                     pieces.append(choice["delta"]["content"])
                 finish = choice.get("finish_reason") or finish
-                usage = chunk.get("usage") or usage
     except urllib.error.HTTPError as e:
         status = e.code
         verdict = json.loads(e.headers.get("x-pd-bridge") or "null")

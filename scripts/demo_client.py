@@ -19,6 +19,7 @@ def ask(url: str, document: str, mode: str) -> dict:
         "max_tokens": 48,
         "temperature": 0,
         "stream": True,
+        "stream_options": {"include_usage": True},
     }
     request = urllib.request.Request(
         f"{url}/v1/chat/completions",
@@ -37,11 +38,12 @@ def ask(url: str, document: str, mode: str) -> dict:
             chunk = json.loads(line[len("data: "):])
             if "error" in chunk:
                 raise SystemExit(f"{mode} request failed: {chunk['error']}")
-            content = chunk["choices"][0]["delta"].get("content")
+            usage = chunk.get("usage") or usage
+            # The last chunk carries only the usage (no choices).
+            content = chunk["choices"][0]["delta"].get("content") if chunk["choices"] else None
             if content:
                 ttft = ttft or time.monotonic() - started
                 pieces.append(content)
-            usage = chunk.get("usage") or usage
     return {"verdict": verdict, "ttft": ttft, "text": "".join(pieces), "first": pieces[0] if pieces else "", "usage": usage}
 
 

@@ -145,15 +145,19 @@ pub async fn serve(listeners: Listeners, config: Config, shutdown: Shutdown) -> 
     Ok(())
 }
 
-/// `GET /store` on the admin listener: usage, budget, writability, free space.
+/// `GET /store` on the admin listener: usage (of what is on disk now), budget, writability, free
+/// space.
 async fn store_status(axum::extract::State(store): axum::extract::State<Arc<Store>>) -> axum::Json<serde_json::Value> {
-    let (blocks, bytes) = store.usage();
     let (writable, free_bytes) = tokio::task::spawn_blocking({
         let store = store.clone();
-        move || store.probe()
+        move || {
+            store.forget_missing();
+            store.probe()
+        }
     })
     .await
     .unwrap_or((false, None));
+    let (blocks, bytes) = store.usage();
     axum::Json(serde_json::json!({
         "blocks": blocks,
         "bytes": bytes,

@@ -67,6 +67,15 @@ pub fn chunk(
     }
 }
 
+/// The chunk that ends a stream asked for `stream_options.include_usage`: no choices, the usage.
+pub fn usage_chunk(kind: Kind, (id, created, model): (&str, u64, &str), usage: Value) -> Value {
+    let object = match kind {
+        Kind::Chat => "chat.completion.chunk",
+        Kind::Text => "text_completion",
+    };
+    json!({"id": id, "object": object, "created": created, "model": model, "choices": [], "usage": usage})
+}
+
 /// Adds tool calls to a streamed chat chunk's delta; `first` is the index of the first of them
 /// among the choice's calls so far.
 pub fn add_tool_calls(chunk: &mut Value, calls: &[ToolCall], first: usize) {
@@ -156,6 +165,11 @@ pub fn usage(prompt_tokens: u32, completion_tokens: u32, cached_tokens: u32) -> 
 #[error("{0}")]
 pub struct InvalidRequest(pub String);
 
+/// A prompt (and `max_tokens`) the model's context cannot hold: OpenAI's `context_length_exceeded`.
+#[derive(Debug, thiserror::Error, PartialEq)]
+#[error("{0}")]
+pub struct ContextLengthExceeded(pub String);
+
 fn invalid(message: impl Into<String>) -> InvalidRequest {
     InvalidRequest(message.into())
 }
@@ -229,12 +243,47 @@ pub struct Sampling {
     pub logprobs: Option<u32>,
     /// Answers to generate for the prompt (`n`), one after another from the same restored cache.
     pub n: u32,
+    /// `stream_options.include_usage`: a last chunk with `choices: []` and the usage, as OpenAI
+    /// streams it (no usage otherwise).
+    pub include_usage: bool,
+}
+
+/// Parameters of OpenAI's legacy completions that the front door does not implement: refused by
+/// name rather than ignored (the answer would not be what the caller asked for).
+fn refuse_unimplemented(body: &Value, kind: Kind) -> Result<(), InvalidRequest> {
+    if matches!(kind, Kind::Chat) {
+        return Ok(());
+    }
+    if body.get("echo").is_some_and(|v| v != &Value::Bool(false) && !v.is_null()) {
+        return Err(invalid("`echo` is not supported: answers never repeat the prompt"));
+    }
+    if body.get("suffix").is_some_and(|v| v.as_str() != Some("") && !v.is_null()) {
+        return Err(invalid("`suffix` is not supported: completions only continue the prompt"));
+    }
+    Ok(())
+}
+
+/// `stream_options` (only with `stream: true`, as OpenAI has it): whether to send the usage chunk.
+fn include_usage(body: &Value, stream: bool) -> Result<bool, InvalidRequest> {
+    let Some(options) = body.get("stream_options").filter(|v| !v.is_null()) else {
+        return Ok(false);
+    };
+    if !stream {
+        return Err(invalid("`stream_options` is only allowed with `stream: true`"));
+    }
+    let options = options.as_object().ok_or_else(|| invalid("`stream_options` must be an object"))?;
+    match options.get("include_usage") {
+        None | Some(Value::Null) => Ok(false),
+        Some(Value::Bool(on)) => Ok(*on),
+        Some(_) => Err(invalid("`stream_options.include_usage` must be a boolean")),
+    }
 }
 
 /// Most answers (`n`) one request may ask for.
 pub const MAX_CHOICES: u64 = 16;
 
 pub fn sampling(body: &Value, kind: Kind) -> Result<Sampling, InvalidRequest> {
+    refuse_unimplemented(body, kind)?;
     let field = |key: &str| body.get(key).filter(|v| !v.is_null());
     let bad = |key: &str, what: &str| invalid(format!("`{key}` must be {what}"));
     let n = match field("n") {
@@ -322,6 +371,7 @@ pub fn sampling(body: &Value, kind: Kind) -> Result<Sampling, InvalidRequest> {
         frequency_penalty,
         logprobs,
         n,
+        include_usage: include_usage(body, stream)?,
     })
 }
 
@@ -333,16 +383,16 @@ pub fn generation_budget(
     default: u32,
     prompt_tokens: usize,
     max_context: u32,
-) -> Result<u32, InvalidRequest> {
+) -> Result<u32, ContextLengthExceeded> {
     let room = (max_context as usize).saturating_sub(prompt_tokens);
     if room == 0 {
-        return Err(invalid(format!(
-            "the prompt is {prompt_tokens} tokens; this model's context is {max_context} tokens (context_length_exceeded)"
+        return Err(ContextLengthExceeded(format!(
+            "the prompt is {prompt_tokens} tokens; this model's context is {max_context} tokens"
         )));
     }
     match requested {
-        Some(n) if n as usize > room => Err(invalid(format!(
-            "the prompt ({prompt_tokens} tokens) plus `max_tokens` ({n}) exceeds this model's context of {max_context} tokens (context_length_exceeded)"
+        Some(n) if n as usize > room => Err(ContextLengthExceeded(format!(
+            "the prompt ({prompt_tokens} tokens) plus `max_tokens` ({n}) exceeds this model's context of {max_context} tokens"
         ))),
         Some(n) => Ok(n),
         None => Ok(default.min(room as u32)),
@@ -456,6 +506,42 @@ mod tests {
     }
 
     #[test]
+    fn the_usage_chunk_is_asked_for_with_stream_options_and_stands_alone() {
+        let asked = |body: Value| sampling_of(&body).map(|s| s.include_usage);
+        assert_eq!(asked(json!({"stream": true, "stream_options": {"include_usage": true}})), Ok(true));
+        assert_eq!(asked(json!({"stream": true, "stream_options": {}})), Ok(false));
+        assert_eq!(asked(json!({"stream": true})), Ok(false));
+        assert_eq!(asked(json!({"stream": false, "stream_options": null})), Ok(false));
+        for (body, needle) in [
+            (json!({"stream_options": {"include_usage": true}}), "only allowed with `stream: true`"),
+            (json!({"stream": true, "stream_options": true}), "`stream_options` must be an object"),
+            (json!({"stream": true, "stream_options": {"include_usage": "yes"}}), "`stream_options.include_usage`"),
+        ] {
+            let err = sampling_of(&body).unwrap_err();
+            assert!(err.0.contains(needle), "{body}: {err}");
+        }
+        let last = usage_chunk(Kind::Chat, ("id", 7, "m"), usage(10, 3, 8));
+        assert_eq!(last["choices"], json!([]));
+        assert_eq!((&last["object"], &last["usage"]["total_tokens"]), (&json!("chat.completion.chunk"), &json!(13)));
+    }
+
+    #[test]
+    fn legacy_parameters_the_front_door_does_not_implement_are_refused_by_name() {
+        for (body, needle) in [
+            (json!({"echo": true}), "`echo` is not supported"),
+            (json!({"suffix": " end"}), "`suffix` is not supported"),
+        ] {
+            let err = sampling(&body, Kind::Text).unwrap_err();
+            assert!(err.0.contains(needle), "{body}: {err}");
+        }
+        // Their defaults are what the front door does anyway; chat has no such fields.
+        for body in [json!({"echo": false}), json!({"suffix": ""}), json!({"suffix": null})] {
+            assert!(sampling(&body, Kind::Text).is_ok(), "{body}");
+        }
+        assert!(sampling(&json!({"echo": true}), Kind::Chat).is_ok());
+    }
+
+    #[test]
     fn tools_are_functions_offered_unless_the_client_says_none() {
         let weather = json!([{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]);
         assert_eq!(tools(&json!({"tools": weather})).unwrap(), Some(&weather));
@@ -500,7 +586,7 @@ mod tests {
         assert_eq!(generation_budget(None, 256, 8000, 8192), Ok(192));
         assert_eq!(generation_budget(Some(192), 256, 8000, 8192), Ok(192));
         let err = generation_budget(Some(193), 256, 8000, 8192).unwrap_err();
-        assert!(err.0.contains("context_length_exceeded"), "{err}");
+        assert!(err.0.contains("plus `max_tokens` (193)"), "{err}");
         let err = generation_budget(None, 256, 11_117, 8192).unwrap_err();
         assert!(err.0.contains("11117 tokens"), "{err}");
         assert!(generation_budget(Some(1), 256, 8192, 8192).is_err());

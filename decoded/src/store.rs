@@ -296,6 +296,26 @@ impl Store {
         (index.entries.len(), index.total_bytes)
     }
 
+    /// Drops from the index every block whose file is no longer on disk (removed from outside the
+    /// daemon: a cleaned directory, an operator's `rm`), so usage, the budget and lookups say what
+    /// the disk holds. Blocking I/O (a `stat` per block). Returns how many were dropped.
+    pub fn forget_missing(&self) -> usize {
+        let keys: Vec<BlockKey> = self.index.lock().unwrap().entries.keys().copied().collect();
+        let missing: Vec<BlockKey> = keys.into_iter().filter(|k| !self.path_of(k).exists()).collect();
+        if missing.is_empty() {
+            return 0;
+        }
+        let mut index = self.index.lock().unwrap();
+        // A block committed again meanwhile has its file back.
+        let gone: Vec<&BlockKey> = missing.iter().filter(|k| !self.path_of(k).exists()).collect();
+        for key in &gone {
+            index.remove(key);
+        }
+        self.publish_usage(&index);
+        tracing::warn!(blocks = gone.len(), "block files removed from outside the daemon: forgotten");
+        gone.len()
+    }
+
     pub fn contains(&self, key: &BlockKey) -> bool {
         self.index.lock().unwrap().entries.contains_key(key)
     }
@@ -711,6 +731,23 @@ mod tests {
         drop(store);
         let (store, _) = Store::open(&dir.0, 1 << 20).unwrap();
         assert!(store.take_tail(&tail.key).is_none(), "a restart drops tails whose requests are gone");
+    }
+
+    #[test]
+    fn blocks_whose_files_vanished_are_forgotten() {
+        let dir = temp_dir("vanished");
+        let (store, _) = Store::open(&dir.0, 1 << 20).unwrap();
+        let (first, tensors) = block("spec", BlockKey::ROOT, 0, 1);
+        store.commit(&first, &tensors).unwrap();
+        let (second, tensors) = block("spec", first.key, 1, 1);
+        store.commit(&second, &tensors).unwrap();
+        assert_eq!(store.forget_missing(), 0, "nothing is missing");
+        fs::remove_file(store.path_of(&second.key)).unwrap();
+        assert_eq!(store.forget_missing(), 1);
+        assert!(store.contains(&first.key) && !store.contains(&second.key));
+        fs::remove_dir_all(dir.0.join("blocks")).unwrap();
+        assert_eq!(store.forget_missing(), 1);
+        assert_eq!(store.usage(), (0, 0));
     }
 
     #[test]

@@ -51,12 +51,17 @@ def main() -> None:
     answer = whole.choices[0].message.content
     check("chat", bool(answer) and whole.usage.completion_tokens > 0, whole)
 
-    pieces, usage = [], None
-    for chunk in client.chat.completions.create(model=model, messages=CHAT, max_tokens=12, temperature=0,
-                                                stream=True, stream_options={"include_usage": True}):
-        pieces += [c.delta.content or "" for c in chunk.choices]
-        usage = chunk.usage or usage
-    check("chat stream", "".join(pieces) == answer and usage is not None, (pieces, answer, usage))
+    # With `include_usage`, as OpenAI streams it: the usage comes alone, in a last chunk with no
+    # choices; without it, no chunk carries any.
+    chunks = list(client.chat.completions.create(model=model, messages=CHAT, max_tokens=12, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    pieces = [c.delta.content or "" for chunk in chunks for c in chunk.choices]
+    last = chunks[-1]
+    check("chat stream", "".join(pieces) == answer and last.choices == [] and last.usage is not None
+          and last.usage.completion_tokens == whole.usage.completion_tokens
+          and all(chunk.usage is None for chunk in chunks[:-1]), chunks)
+    plain = list(client.chat.completions.create(model=model, messages=CHAT, max_tokens=12, temperature=0, stream=True))
+    check("chat stream without usage", all(chunk.usage is None and chunk.choices for chunk in plain), plain)
 
     text = client.completions.create(model=model, prompt="One, two, three,", max_tokens=6, temperature=0)
     check("completions", bool(text.choices[0].text), text)
@@ -101,6 +106,17 @@ def main() -> None:
     check("penalties", bool(penalized.choices[0].message.content), penalized)
 
     # Errors in OpenAI's shape, as the SDK's own exception types.
+    try:
+        client.chat.completions.create(model=model, messages=CHAT, max_tokens=10**6)
+        check("context length", False, "answered")
+    except openai.BadRequestError as e:
+        check("context length", e.code == "context_length_exceeded", e)
+    for name, value in (("echo", True), ("suffix", " and so on.")):
+        try:
+            client.completions.create(model=model, prompt="One, two, three,", max_tokens=4, **{name: value})
+            check(f"{name} refused", False, "answered")
+        except openai.BadRequestError as e:
+            check(f"{name} refused", f"`{name}` is not supported" in str(e), e)
     try:
         client.chat.completions.create(model="gpt-4o", messages=CHAT, max_tokens=4)
         check("unknown model", False, "answered")

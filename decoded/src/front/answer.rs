@@ -148,7 +148,16 @@ impl Answers {
         verdict::set(&mut response, &self.verdict);
         tokio::spawn(async move {
             let Admitted { permit: _permit, deadline } = admitted;
-            let mut sink = Streamed { tx, kind: self.kind, names, calls_sent: 0, completion_tokens: 0 };
+            let include_usage = self.choices.sampling.include_usage;
+            let mut sink = Streamed {
+                tx,
+                kind: self.kind,
+                names,
+                calls_sent: 0,
+                completion_tokens: 0,
+                usage: None,
+                include_usage,
+            };
             let answered = tokio::time::timeout_at(deadline, self.run(&mut sink)).await.unwrap_or_else(|_| {
                 // Worded as the deadline's error event always was.
                 Err(EngineError::Internal("front.request_timeout passed".into()).into())
@@ -233,8 +242,12 @@ struct Streamed {
     names: Names,
     /// The current answer's tool calls so far: a delta's calls are numbered within its choice.
     calls_sent: usize,
-    /// Over every answer, for the last chunk's usage.
+    /// Over every answer, for the usage chunk.
     completion_tokens: u32,
+    /// `stream_options.include_usage`: the usage, once the last answer is whole, for the chunk
+    /// that ends the stream.
+    usage: Option<Value>,
+    include_usage: bool,
 }
 
 impl Streamed {
@@ -242,10 +255,18 @@ impl Streamed {
         self.tx.send(Event::default().data(data.to_string())).await.map_err(|_| Cut::Left)
     }
 
-    /// `[DONE]` after the last answer; after a failure its error, and no `[DONE]`.
+    /// The usage chunk (when asked for) and `[DONE]` after the last answer; after a failure its
+    /// error, and no `[DONE]`.
     async fn end(self, answered: Result<(), Cut>) {
         let last = match answered {
-            Ok(()) => Event::default().data("[DONE]"),
+            Ok(()) => {
+                if let Some(usage) = self.usage.clone().filter(|_| self.include_usage)
+                    && self.send(&openai::usage_chunk(self.kind, self.names.ids(), usage)).await.is_err()
+                {
+                    return;
+                }
+                Event::default().data("[DONE]")
+            }
             Err(Cut::Left) => return,
             Err(e) => Event::default().data(stream_error(e).to_string()),
         };
@@ -278,7 +299,7 @@ impl Sink for Streamed {
         }
         self.calls_sent = 0;
         if last {
-            chunk["usage"] = openai::usage(summary.prompt_tokens, self.completion_tokens, summary.cached_tokens);
+            self.usage = Some(openai::usage(summary.prompt_tokens, self.completion_tokens, summary.cached_tokens));
             // The header left before the engine ran: its stages ride here.
             chunk["pd_bridge"] = json!({"engine_timings_ms": summary.timings_ms});
         }

@@ -18,6 +18,8 @@ use crate::{engine::EngineError, openai};
 pub enum FrontError {
     #[error("{0}")]
     BadRequest(String),
+    #[error("{0}")]
+    ContextLength(String),
     #[error("the model `{0}` does not exist; this server serves `{1}`")]
     ModelNotFound(String, String),
     #[error("decode engine is not ready")]
@@ -44,6 +46,12 @@ impl From<openai::InvalidRequest> for FrontError {
     }
 }
 
+impl From<openai::ContextLengthExceeded> for FrontError {
+    fn from(e: openai::ContextLengthExceeded) -> Self {
+        FrontError::ContextLength(e.0)
+    }
+}
+
 impl From<EngineError> for FrontError {
     fn from(e: EngineError) -> Self {
         match e {
@@ -59,6 +67,9 @@ impl FrontError {
     fn shape(&self) -> (StatusCode, &'static str, Option<&'static str>) {
         match self {
             FrontError::BadRequest(_) => (StatusCode::BAD_REQUEST, "invalid_request_error", None),
+            FrontError::ContextLength(_) => {
+                (StatusCode::BAD_REQUEST, "invalid_request_error", Some("context_length_exceeded"))
+            }
             FrontError::Body(status, _) => (*status, "invalid_request_error", None),
             FrontError::ModelNotFound(..) => (StatusCode::NOT_FOUND, "invalid_request_error", Some("model_not_found")),
             FrontError::EngineUnavailable => (StatusCode::SERVICE_UNAVAILABLE, "engine_unavailable", None),
@@ -88,5 +99,19 @@ impl IntoResponse for FrontError {
             verdict::set(&mut response, &json!({"outcome": "failed", "reason": reason}));
         }
         response
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_prompt_past_the_context_has_openais_code() {
+        let e: FrontError = openai::generation_budget(Some(10), 16, 8190, 8192).unwrap_err().into();
+        assert_eq!(e.shape(), (StatusCode::BAD_REQUEST, "invalid_request_error", Some("context_length_exceeded")));
+        assert!(e.to_string().contains("plus `max_tokens` (10)"), "{e}");
+        let other: FrontError = openai::InvalidRequest("`n` must be …".into()).into();
+        assert_eq!(other.shape(), (StatusCode::BAD_REQUEST, "invalid_request_error", None));
     }
 }

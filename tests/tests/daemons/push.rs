@@ -371,6 +371,35 @@ async fn concurrent_pushes_of_one_block_all_succeed() {
     assert!(stray_files(&store).is_empty());
 }
 
+/// Block files removed from outside the daemon: `/store` says what the disk holds, and so do the
+/// lookups after it.
+#[tokio::test]
+async fn the_store_status_follows_the_disk() {
+    let scratch = Scratch::new("vanished");
+    let store = scratch.0.join("store");
+    let decoded = Daemon::start("decoded", &fixed_spec_config(&scratch.0.join("spec"), &store, BLOCK_TOKENS, "")).await;
+    decoded.wait_ready(Duration::from_secs(60)).await;
+    let mut client = CacheStoreClient::new(decoded.channel().await);
+    let spec = client.get_spec(GetSpecRequest {}).await.unwrap().into_inner();
+    let tokens: Vec<u32> = (100..100 + 2 * BLOCK_TOKENS).collect();
+    let open = PushOpen {
+        request_id: "vanished".into(),
+        spec_fingerprint: spec.spec_fingerprint.clone(),
+        token_ids: tokens.clone(),
+        ..Default::default()
+    };
+    let shards = [block_shards(&spec, 0, 1), block_shards(&spec, 1, 1)].concat();
+    assert_eq!(push(&mut client, frames(open, shards, Some(2))).await.unwrap().blocks_committed, 2);
+    let status = || async {
+        let body: serde_json::Value = reqwest::get(decoded.admin_url("/store")).await.unwrap().json().await.unwrap();
+        (body["blocks"].as_u64().unwrap(), body["bytes"].as_u64().unwrap())
+    };
+    assert_eq!(status().await.0, 2);
+    std::fs::remove_dir_all(store.join("blocks")).unwrap();
+    assert_eq!(status().await, (0, 0));
+    assert_eq!(cached_blocks(&mut client, &tokens).await, 0);
+}
+
 /// A prompt's tail after its whole blocks rides the Push for the request that asked: kept
 /// beside the store for that request, never a block; a tail that is a block long, or that
 /// would include the prompt's last token, or whose shards have another shape, is refused.
