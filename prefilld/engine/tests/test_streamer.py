@@ -69,6 +69,12 @@ class StreamerTest(unittest.TestCase):
                               block_tokens=B, first_block=0, num_blocks=num_blocks)
         return RequestStream(params), sock
 
+    def submit_whole(self, streamer: Streamer, stream: RequestStream, blocks: int) -> None:
+        """A request's whole life as the step loop queues it: start, its blocks in one call, done."""
+        streamer.submit_start(stream)
+        streamer.submit_blocks(stream, 0, self.hidden[:blocks * B])
+        streamer.submit_done(stream, blocks * B)
+
     def test_blocks_leave_in_order_as_computed_with_every_stages_time(self):
         streamer = Streamer(self.layers, handoff="auto", max_queued_mb=0.001, max_sending_mb=0.001)
         stream, sock = self.request("in-order", 4)
@@ -95,14 +101,10 @@ class StreamerTest(unittest.TestCase):
     def test_a_failed_socket_drops_its_request_and_the_next_one_is_served(self):
         streamer = Streamer(self.layers)
         lost, _ = self.request("nobody-listens", 2)  # its socket does not exist
-        streamer.submit_start(lost)
-        streamer.submit_blocks(lost, 0, self.hidden[:2 * B])
-        streamer.submit_done(lost, 2 * B)
+        self.submit_whole(streamer, lost, 2)
         served, sock = self.request("served", 1)
         listener = Listener(sock)
-        streamer.submit_start(served)
-        streamer.submit_blocks(served, 0, self.hidden[:B])
-        streamer.submit_done(served, B)
+        self.submit_whole(streamer, served, 1)
         messages = listener.wait()
         streamer.close()
         self.assertTrue(lost.failed and lost.closed)
@@ -113,9 +115,7 @@ class StreamerTest(unittest.TestCase):
         stream, sock = self.request("bad-bundle", 1)
         stream.params.bundle_sha256 = "00" * 32
         listener = Listener(sock)
-        streamer.submit_start(stream)
-        streamer.submit_blocks(stream, 0, self.hidden[:B])
-        streamer.submit_done(stream, B)
+        self.submit_whole(streamer, stream, 1)
         messages = listener.wait()
         streamer.close()
         self.assertEqual([(h["type"], h.get("reason")) for h, _ in messages], [("error", protocol.BUNDLE_MISMATCH)])
