@@ -9,6 +9,7 @@ pub mod block;
 pub mod config;
 pub mod daemon;
 pub mod grpc;
+pub mod http;
 pub mod process;
 pub mod proto;
 pub mod readiness;

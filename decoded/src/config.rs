@@ -305,6 +305,12 @@ pub struct FrontConfig {
     /// streaming, an error event); its bridge and generation are cancelled.
     #[serde(with = "humantime_serde")]
     pub request_timeout: Duration,
+    /// A client must have sent a request's headers this long after connecting (or after its
+    /// previous answer, on a kept-alive connection); the connection is closed otherwise.
+    #[serde(with = "humantime_serde")]
+    pub header_read_timeout: Duration,
+    /// Connections one client address may hold open at once; one more is closed on accept.
+    pub max_connections_per_peer: usize,
 }
 
 impl Default for FrontConfig {
@@ -327,6 +333,8 @@ impl Default for FrontConfig {
             prefill_deadline_per_1k_tokens: Duration::from_secs(30),
             max_pending_requests: 64,
             request_timeout: Duration::from_secs(900),
+            header_read_timeout: Duration::from_secs(10),
+            max_connections_per_peer: 128,
         }
     }
 }
@@ -444,6 +452,12 @@ impl Validate for FrontConfig {
         }
         if self.max_pending_requests == 0 {
             return Err(ConfigError::invalid("front.max_pending_requests", "must be at least 1"));
+        }
+        if self.header_read_timeout.is_zero() {
+            return Err(ConfigError::invalid("front.header_read_timeout", "must be greater than zero"));
+        }
+        if self.max_connections_per_peer == 0 {
+            return Err(ConfigError::invalid("front.max_connections_per_peer", "must be at least 1"));
         }
         if self.request_timeout.is_zero() {
             return Err(ConfigError::invalid("front.request_timeout", "must be greater than zero"));

@@ -112,6 +112,10 @@ pub async fn serve(listeners: Listeners, config: Config, shutdown: Shutdown) -> 
         format!("{scheme}://{}", std::net::SocketAddr::new(ip, grpc_addr.port()))
     });
     let front = front::router(engine.clone(), store.clone(), config.front.clone(), advertise, tls.as_ref(), api_keys);
+    let front_limits = pdbridge_common::http::Limits {
+        header_read_timeout: config.front.header_read_timeout,
+        max_connections_per_peer: config.front.max_connections_per_peer,
+    };
     let store_for_admin = store.clone();
     let peers = tls.as_ref().map_or_else(Peers::open, Tls::peers);
     let service = CacheStoreService::new(engine, store, &config.store, peers);
@@ -124,8 +128,12 @@ pub async fn serve(listeners: Listeners, config: Config, shutdown: Shutdown) -> 
         front = %listeners.front.local_addr()?,
         "decoded listening"
     );
-    let front_task =
-        tokio::spawn(pdbridge_common::admin::serve(listeners.front, front, stop.clone().cancelled_owned()));
+    let front_task = tokio::spawn(pdbridge_common::http::serve(
+        listeners.front,
+        front,
+        front_limits,
+        stop.clone().cancelled_owned(),
+    ));
     let rpc = Rpc {
         grpc: listeners.grpc,
         admin: listeners.admin,
@@ -195,6 +203,10 @@ fn register_metrics() {
         "The decoder computing one pushed block's cache from its layer inputs."
     );
     metrics::describe_counter!("pdbridge_store_lookups_total", "Prefix lookups, by hit or miss.");
+    metrics::describe_counter!(
+        "pdbridge_front_connections_refused_total",
+        "Front-door connections closed on accept: their address held front.max_connections_per_peer."
+    );
     for outcome in ["hit", "miss"] {
         metrics::counter!("pdbridge_store_lookups_total", "outcome" => outcome).absolute(0);
     }

@@ -195,6 +195,61 @@ async fn the_front_door_wants_an_api_key_when_configured() {
     assert!(!decoded.log_text().contains("sk-from"), "a key reached the log");
 }
 
+/// Slow clients are cut: a connection whose request headers have not all come within
+/// `front.header_read_timeout` (one that sends nothing, one that dribbles them, one kept alive
+/// after its answer) is closed; beyond `front.max_connections_per_peer` a connection is closed on
+/// accept; and a normal client is served throughout.
+#[tokio::test]
+async fn slow_clients_are_cut_and_one_peer_holds_a_bounded_number_of_connections() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    let scratch = Scratch::new("security-slow");
+    let extra = "[front]\nlisten = \"127.0.0.1:0\"\nheader_read_timeout = \"3s\"\nmax_connections_per_peer = 3\n";
+    let config = fixed_spec_config(&scratch.0.join("spec"), &scratch.0.join("store"), BLOCK_TOKENS, "")
+        .replace("[front]\nlisten = \"127.0.0.1:0\"\n", extra);
+    let decoded = Daemon::start("decoded", &config).await;
+    let front = decoded.front.unwrap();
+    let models = || async move {
+        let mut conn = tokio::net::TcpStream::connect(front).await.unwrap();
+        conn.write_all(b"GET /v1/models HTTP/1.1\r\nhost: x\r\n\r\n").await.unwrap();
+        conn
+    };
+    // Closed by the server: the read ends (after whatever answer it was owed). A guard of 20
+    // timeouts, so a daemon that never cuts fails the test instead of hanging it.
+    let closed = |mut conn: tokio::net::TcpStream| async move {
+        let mut seen = Vec::new();
+        let started = std::time::Instant::now();
+        let ended = tokio::time::timeout(Duration::from_secs(20), conn.read_to_end(&mut seen)).await;
+        assert!(ended.is_ok(), "the connection stayed open for 20 s");
+        (started.elapsed(), String::from_utf8_lossy(&seen).into_owned())
+    };
+
+    let silent = tokio::net::TcpStream::connect(front).await.unwrap();
+    let mut dribbling = tokio::net::TcpStream::connect(front).await.unwrap();
+    dribbling.write_all(b"GET /v1/models HTTP/1.1\r\nhost: x\r\n").await.unwrap();
+    // The peer's third connection: served, then kept alive with nothing more to say.
+    let kept_alive = models().await;
+    // A fourth is one too many: closed at once, answered nothing.
+    let (_, answer) = closed(tokio::net::TcpStream::connect(front).await.unwrap()).await;
+    assert_eq!(answer, "", "a connection past the bound got an answer");
+    for (name, conn) in [("silent", silent), ("dribbling", dribbling)] {
+        let (after, answer) = closed(conn).await;
+        assert!(after < Duration::from_secs(15), "{name}: closed after {after:?}");
+        assert!(!answer.contains("200 OK"), "{name}: {answer}");
+    }
+    let (_, answer) = closed(kept_alive).await;
+    assert!(answer.starts_with("HTTP/1.1 200 OK"), "the kept-alive client had its answer first: {answer}");
+    // Their places are free again: a client is served.
+    let (_, answer) = closed({
+        let mut conn = tokio::net::TcpStream::connect(front).await.unwrap();
+        conn.write_all(b"GET /v1/models HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n").await.unwrap();
+        conn
+    })
+    .await;
+    assert!(answer.starts_with("HTTP/1.1 200 OK"), "{answer}");
+    decoded.wait_metric("pdbridge_front_connections_refused_total", 1.0, Duration::from_secs(10)).await;
+}
+
 #[tokio::test]
 async fn a_listener_open_to_other_hosts_needs_tls_or_an_explicit_insecure() {
     let scratch = Scratch::new("security-exposed");
