@@ -382,7 +382,8 @@ METRICS = {
     "pdbridge_store_quarantined_total", "pdbridge_engine_up", "pdbridge_engine_restarts_total",
     "pdbridge_front_requests_in_flight", "pdbridge_push_streams_in_flight", "pdbridge_prefill_in_flight",
     "pdbridge_grpc_errors_total", "pdbridge_prefill_requests_total", "pdbridge_build_info",
-    "pdbridge_insecure_listeners", "pdbridge_front_unauthorized_total",
+    "pdbridge_insecure_listeners", "pdbridge_front_unauthorized_total", "pdbridge_push_memory_bytes",
+    "pdbridge_push_memory_limit_bytes",
 } | {h + "_bucket" for h in HISTOGRAMS}
 LABELS = {"outcome", "reason", "stage", "engine", "service", "code", "daemon", "version", "le", "role"}
 DS_UID = "${DS_PROMETHEUS}"

@@ -100,6 +100,10 @@ pub struct StoreConfig {
     /// `max_open_blocks`, bounds ingest memory for the whole daemon. A Push
     /// beyond it is refused with RESOURCE_EXHAUSTED.
     pub max_push_streams: usize,
+    /// Bytes of blocks all Push streams together may hold assembling or committing: a block
+    /// reserves its size when its first shard arrives; a stream that cannot, and has no commit of
+    /// its own to wait for, is refused with RESOURCE_EXHAUSTED.
+    pub max_push_bytes: u64,
     /// A Push stream that sends no frame for this long is cut (DEADLINE_EXCEEDED),
     /// so idle streams cannot hold their slots forever.
     #[serde(with = "humantime_serde")]
@@ -114,6 +118,7 @@ impl Default for StoreConfig {
             block_tokens: 256,
             max_open_blocks: 4,
             max_push_streams: 32,
+            max_push_bytes: 1 << 30,
             push_idle_timeout: Duration::from_secs(600),
         }
     }
@@ -132,6 +137,9 @@ impl Validate for StoreConfig {
         }
         if self.max_push_streams == 0 {
             return Err(ConfigError::invalid("store.max_push_streams", "must be at least 1"));
+        }
+        if self.max_push_bytes == 0 {
+            return Err(ConfigError::invalid("store.max_push_bytes", "must be greater than zero"));
         }
         if self.push_idle_timeout.is_zero() {
             return Err(ConfigError::invalid("store.push_idle_timeout", "must be greater than zero"));
@@ -541,6 +549,7 @@ mod tests {
             "budget_bytes",
             "block_tokens",
             "max_open_blocks",
+            "max_push_bytes",
             "listen",
             "prefilld",
             "api_keys",

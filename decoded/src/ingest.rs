@@ -9,14 +9,18 @@
 //! overlaps the next block's bytes on the wire); [`Ingest::finish`] waits for
 //! them. Memory is bounded to `max_open_blocks` blocks per stream, assembling
 //! and committing together: a sender that outruns the disk is slowed down by
-//! HTTP/2 flow control, not buffered.
+//! HTTP/2 flow control, not buffered; and for every stream together by
+//! [`PushMemory`], in bytes.
 
 use std::{
     collections::{BTreeSet, HashMap},
     sync::Arc,
 };
 
-use tokio::task::JoinSet;
+use tokio::{
+    sync::{OwnedSemaphorePermit, Semaphore},
+    task::JoinSet,
+};
 
 use pdbridge_common::{
     block::{self, BlockKey},
@@ -46,6 +50,8 @@ pub enum IngestError {
     AlreadyCommitted { block: u32 },
     #[error("more than {limit} blocks open at once")]
     TooManyOpenBlocks { limit: usize },
+    #[error("block {block} needs {bytes} bytes; the Push streams hold all of store.max_push_bytes ({limit})")]
+    PushMemorySpent { block: u32, bytes: u64, limit: u64 },
     #[error(
         "a tail of {tail_tokens} tokens must be shorter than a block and end before the last of {prompt_tokens} tokens"
     )]
@@ -67,6 +73,54 @@ pub enum IngestError {
 struct OpenBlock {
     tensors: HashMap<(u32, String), TensorAssembly>,
     complete: usize,
+    /// Its bytes of [`PushMemory`], held until its commit ends.
+    memory: Reserved,
+}
+
+/// The memory of the blocks every Push stream holds (assembling or committing), bounded in bytes
+/// (`store.max_push_bytes`): a block reserves its whole size when its first shard arrives and
+/// gives it back when its commit ends or its stream drops it. Kept in KiB permits.
+#[derive(Clone)]
+pub struct PushMemory {
+    permits: Arc<Semaphore>,
+    limit: u64,
+}
+
+/// A block's share of [`PushMemory`].
+struct Reserved {
+    permit: Option<OwnedSemaphorePermit>,
+    memory: PushMemory,
+}
+
+impl Drop for Reserved {
+    fn drop(&mut self) {
+        self.permit.take(); // first: the gauge reads the semaphore
+        self.memory.publish();
+    }
+}
+
+impl PushMemory {
+    pub fn new(limit: u64) -> Self {
+        let kib = limit.div_ceil(1024).min(Semaphore::MAX_PERMITS as u64) as usize;
+        metrics::gauge!("pdbridge_push_memory_limit_bytes").set(limit as f64);
+        let memory = PushMemory { permits: Arc::new(Semaphore::new(kib)), limit };
+        memory.publish();
+        memory
+    }
+
+    /// `bytes` of it, if that many are free.
+    fn reserve(&self, bytes: u64) -> Option<Reserved> {
+        let kib = u32::try_from(bytes.div_ceil(1024)).ok()?;
+        let permit = self.permits.clone().try_acquire_many_owned(kib).ok()?;
+        let reserved = Reserved { permit: Some(permit), memory: self.clone() };
+        self.publish();
+        Some(reserved)
+    }
+
+    fn publish(&self) {
+        let free = self.permits.available_permits() as u64 * 1024;
+        metrics::gauge!("pdbridge_push_memory_bytes").set(self.limit.saturating_sub(free) as f64);
+    }
 }
 
 /// A commit's outcome: the block and the bytes its file holds.
@@ -80,6 +134,7 @@ pub struct Ingest {
     keys: Vec<BlockKey>,
     first_block: u32,
     max_open_blocks: usize,
+    memory: PushMemory,
     payload: Payload,
     /// Computes each block's cache from its layer inputs (`Payload::LayerInputs`).
     engine: Option<Engine>,
@@ -103,6 +158,7 @@ impl Ingest {
         store: Arc<Store>,
         open: PushOpen,
         max_open_blocks: usize,
+        memory: PushMemory,
         engine: Option<Engine>,
     ) -> Result<Self, IngestError> {
         if open.spec_fingerprint != spec.spec_fingerprint {
@@ -138,6 +194,7 @@ impl Ingest {
             keys,
             first_block: open.first_block,
             max_open_blocks,
+            memory,
             payload,
             engine,
             tensors_per_block,
@@ -189,8 +246,10 @@ impl Ingest {
                     None => return Err(IngestError::TooManyOpenBlocks { limit: self.max_open_blocks }),
                 }
             }
+            let memory = self.reserve(block).await?;
+            self.open.insert(block, OpenBlock { tensors: HashMap::new(), complete: 0, memory });
         }
-        let open = self.open.entry(block).or_insert_with(|| OpenBlock { tensors: HashMap::new(), complete: 0 });
+        let open = self.open.get_mut(&block).expect("opened above");
         let assembly = open
             .tensors
             .entry((shard.layer, shard.tensor.clone()))
@@ -204,6 +263,21 @@ impl Ingest {
             self.start_commit(block, open);
         }
         Ok(())
+    }
+
+    /// Block `block`'s bytes of the Push memory: waits for this stream's own commits to give
+    /// theirs back, refuses once it holds nothing and other streams hold it all.
+    async fn reserve(&mut self, block: u32) -> Result<Reserved, IngestError> {
+        let bytes = spec::block_bytes(&self.spec, self.payload, self.rows(block));
+        loop {
+            if let Some(reserved) = self.memory.reserve(bytes) {
+                return Ok(reserved);
+            }
+            match self.committing.join_next().await {
+                Some(done) => self.reap(done)?,
+                None => return Err(IngestError::PushMemorySpent { block, bytes, limit: self.memory.limit }),
+            }
+        }
     }
 
     fn start_commit(&mut self, block: u32, open: OpenBlock) {
@@ -224,8 +298,8 @@ impl Ingest {
             index: block,
             token_ids,
         };
-        let tensors: Vec<BlockTensor> = open
-            .tensors
+        let OpenBlock { tensors, memory, .. } = open;
+        let tensors: Vec<BlockTensor> = tensors
             .into_iter()
             .map(|((layer, name), assembly)| {
                 let expected =
@@ -243,6 +317,7 @@ impl Ingest {
         let commit = move |store: Arc<Store>, identity: BlockIdentity, tensors: Vec<BlockTensor>| {
             let bytes =
                 if tail { store.commit_tail(&identity, &tensors)? } else { store.commit(&identity, &tensors)? };
+            drop(memory);
             Ok((block, bytes))
         };
         let Some(engine) = self.engine.clone() else {

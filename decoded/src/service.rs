@@ -20,7 +20,7 @@ use tonic::{Code, Request, Response, Status, Streaming};
 use crate::{
     config::StoreConfig,
     engine::{Engine, EngineError, EngineInfo},
-    ingest::{Ingest, IngestError},
+    ingest::{Ingest, IngestError, PushMemory},
     reconstruct::ReconstructError,
     store::{Store, StoreError},
 };
@@ -32,6 +32,7 @@ pub struct CacheStoreService {
     engine: Option<Engine>,
     store: Arc<Store>,
     max_open_blocks: usize,
+    push_memory: PushMemory,
     /// One permit per open Push stream, `max_push_streams` in all.
     push_slots: Arc<Semaphore>,
     max_push_streams: usize,
@@ -48,6 +49,7 @@ impl CacheStoreService {
             store,
             peers,
             max_open_blocks: config.max_open_blocks,
+            push_memory: PushMemory::new(config.max_push_bytes),
             push_slots: Arc::new(Semaphore::new(config.max_push_streams)),
             max_push_streams: config.max_push_streams,
             push_idle_timeout: config.push_idle_timeout,
@@ -105,7 +107,7 @@ pub fn status_of(err: &ServiceError) -> Status {
         ServiceError::Ingest(e) => match e {
             IngestError::SpecMismatch { .. } => Code::FailedPrecondition,
             IngestError::Shard { source: ShardError::Checksum { .. }, .. } => Code::DataLoss,
-            IngestError::TooManyOpenBlocks { .. } => Code::ResourceExhausted,
+            IngestError::TooManyOpenBlocks { .. } | IngestError::PushMemorySpent { .. } => Code::ResourceExhausted,
             IngestError::Store(StoreError::TooLarge { .. } | StoreError::NoSpace { .. }) => Code::ResourceExhausted,
             IngestError::Store(_) => Code::Internal,
             IngestError::NoEngine(EngineError::NotReady) => Code::Unavailable,
@@ -225,8 +227,10 @@ impl CacheStore for CacheStoreService {
         spec::check_tokens(&info.spec, &open.token_ids)
             .map_err(|problem| status_of(&ServiceError::BadTokens(problem)))?;
         let spec = Arc::new(info.spec.clone());
-        let mut ingest = Ingest::open(spec, self.store.clone(), open, self.max_open_blocks, self.engine.clone())
-            .map_err(|e| status_of(&e.into()))?;
+        let memory = self.push_memory.clone();
+        let mut ingest =
+            Ingest::open(spec, self.store.clone(), open, self.max_open_blocks, memory, self.engine.clone())
+                .map_err(|e| status_of(&e.into()))?;
         let _in_flight = telemetry::InFlight::enter("pdbridge_push_streams_in_flight");
         let received = receive(&mut frames, &mut ingest).await;
         // Whatever ended the stream, blocks that arrived whole still land;

@@ -371,6 +371,63 @@ async fn concurrent_pushes_of_one_block_all_succeed() {
     assert!(stray_files(&store).is_empty());
 }
 
+/// Push memory is bounded in bytes for all streams together (`store.max_push_bytes`): a stream
+/// holding a half-sent block takes its whole size; another stream whose block does not fit, with
+/// no commit of its own to wait for, is refused with RESOURCE_EXHAUSTED; once the first block is
+/// committed its bytes are free again, and the dashboard's gauge says so.
+#[tokio::test]
+async fn push_memory_is_bounded_in_bytes_across_streams() {
+    let scratch = Scratch::new("push-memory");
+    let store = scratch.0.join("store");
+    // The spec's block size, from a decoded without the bound.
+    let mut probe =
+        Daemon::start("decoded", &fixed_spec_config(&scratch.0.join("spec"), &store, BLOCK_TOKENS, "")).await;
+    let spec = CacheStoreClient::new(probe.channel().await).get_spec(GetSpecRequest {}).await.unwrap().into_inner();
+    probe.terminate();
+    probe.wait(Duration::from_secs(30)).await;
+    let block_bytes = spec::block_bytes(&spec, Payload::Cache, BLOCK_TOKENS);
+    let limit = block_bytes + block_bytes / 2; // one block, not two
+    let config =
+        fixed_spec_config(&scratch.0.join("spec"), &store, BLOCK_TOKENS, &format!("max_push_bytes = {limit}\n"));
+    let decoded = Daemon::start("decoded", &config).await;
+    decoded.wait_ready(Duration::from_secs(60)).await;
+    let client = CacheStoreClient::new(decoded.channel().await);
+    let open = |id: &str, first: u32| PushOpen {
+        request_id: id.into(),
+        spec_fingerprint: spec.spec_fingerprint.clone(),
+        token_ids: (first..first + BLOCK_TOKENS).collect(),
+        ..Default::default()
+    };
+
+    // The holder: its block's first shard, then nothing until told.
+    let (tx, rx) = tokio::sync::mpsc::channel::<PushFrame>(8);
+    let mut shards = block_shards(&spec, 0, 1).into_iter();
+    tx.send(PushFrame { frame: Some(Frame::Open(open("holder", 100))) }).await.unwrap();
+    tx.send(PushFrame { frame: Some(Frame::Shard(shards.next().unwrap())) }).await.unwrap();
+    let holder = tokio::spawn({
+        let mut client = client.clone();
+        async move { client.push(tokio_stream::wrappers::ReceiverStream::new(rx)).await.map(|r| r.into_inner()) }
+    });
+    decoded
+        .wait_metric("pdbridge_push_memory_bytes", block_bytes.div_ceil(1024) as f64 * 1024.0, Duration::from_secs(10))
+        .await;
+
+    let refused = push(&mut client.clone(), frames(open("other", 500), block_shards(&spec, 0, 2), Some(1))).await;
+    let status = refused.expect_err("a block that does not fit is refused");
+    assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
+    assert!(status.message().contains("store.max_push_bytes"), "{}", status.message());
+
+    for shard in shards {
+        tx.send(PushFrame { frame: Some(Frame::Shard(shard)) }).await.unwrap();
+    }
+    tx.send(PushFrame { frame: Some(Frame::Seal(PushSeal { blocks_emitted: 1 })) }).await.unwrap();
+    drop(tx);
+    assert_eq!(holder.await.unwrap().unwrap().blocks_committed, 1);
+    decoded.wait_metric("pdbridge_push_memory_bytes", 0.0, Duration::from_secs(10)).await;
+    let after = push(&mut client.clone(), frames(open("after", 500), block_shards(&spec, 0, 2), Some(1))).await;
+    assert_eq!(after.unwrap().blocks_committed, 1, "its bytes are free again");
+}
+
 /// Block files removed from outside the daemon: `/store` says what the disk holds, and so do the
 /// lookups after it.
 #[tokio::test]
