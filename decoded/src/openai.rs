@@ -68,12 +68,11 @@ pub fn chunk(
 }
 
 /// The chunk that ends a stream asked for `stream_options.include_usage`: no choices, the usage.
-pub fn usage_chunk(kind: Kind, (id, created, model): (&str, u64, &str), usage: Value) -> Value {
-    let object = match kind {
-        Kind::Chat => "chat.completion.chunk",
-        Kind::Text => "text_completion",
-    };
-    json!({"id": id, "object": object, "created": created, "model": model, "choices": [], "usage": usage})
+pub fn usage_chunk(kind: Kind, names: (&str, u64, &str), usage: Value) -> Value {
+    let mut last = chunk(kind, names, 0, None, None);
+    last["choices"] = json!([]);
+    last["usage"] = usage;
+    last
 }
 
 /// Adds tool calls to a streamed chat chunk's delta; `first` is the index of the first of them
@@ -282,27 +281,12 @@ fn include_usage(body: &Value, stream: bool) -> Result<bool, InvalidRequest> {
 /// Most answers (`n`) one request may ask for.
 pub const MAX_CHOICES: u64 = 16;
 
-pub fn sampling(body: &Value, kind: Kind) -> Result<Sampling, InvalidRequest> {
-    refuse_unimplemented(body, kind)?;
+/// Log probabilities asked for, as each API spells them: chat's `logprobs` + `top_logprobs`, the
+/// legacy API's `logprobs` (the number of alternatives, up to 5).
+fn logprobs_asked(body: &Value, kind: Kind) -> Result<Option<u32>, InvalidRequest> {
     let field = |key: &str| body.get(key).filter(|v| !v.is_null());
     let bad = |key: &str, what: &str| invalid(format!("`{key}` must be {what}"));
-    let n = match field("n") {
-        Some(v) => v
-            .as_u64()
-            .filter(|n| (1..=MAX_CHOICES).contains(n))
-            .ok_or_else(|| bad("n", &format!("an integer from 1 to {MAX_CHOICES}")))? as u32,
-        None => 1,
-    };
-    let penalty = |key: &str| match field(key) {
-        Some(v) => v
-            .as_f64()
-            .filter(|p| (-2.0..=2.0).contains(p))
-            .map(|p| p as f32)
-            .ok_or_else(|| bad(key, "between -2 and 2")),
-        None => Ok(0.0),
-    };
-    let (presence_penalty, frequency_penalty) = (penalty("presence_penalty")?, penalty("frequency_penalty")?);
-    let logprobs = match kind {
+    Ok(match kind {
         Kind::Chat => {
             let on = field("logprobs").map(|v| v.as_bool().ok_or_else(|| bad("logprobs", "a boolean"))).transpose()?;
             let top = field("top_logprobs")
@@ -323,7 +307,30 @@ pub fn sampling(body: &Value, kind: Kind) -> Result<Sampling, InvalidRequest> {
                     .ok_or_else(|| bad("logprobs", "an integer from 0 to 5"))
             })
             .transpose()?,
+    })
+}
+
+pub fn sampling(body: &Value, kind: Kind) -> Result<Sampling, InvalidRequest> {
+    refuse_unimplemented(body, kind)?;
+    let field = |key: &str| body.get(key).filter(|v| !v.is_null());
+    let bad = |key: &str, what: &str| invalid(format!("`{key}` must be {what}"));
+    let n = match field("n") {
+        Some(v) => v
+            .as_u64()
+            .filter(|n| (1..=MAX_CHOICES).contains(n))
+            .ok_or_else(|| bad("n", &format!("an integer from 1 to {MAX_CHOICES}")))? as u32,
+        None => 1,
     };
+    let penalty = |key: &str| match field(key) {
+        Some(v) => v
+            .as_f64()
+            .filter(|p| (-2.0..=2.0).contains(p))
+            .map(|p| p as f32)
+            .ok_or_else(|| bad(key, "between -2 and 2")),
+        None => Ok(0.0),
+    };
+    let (presence_penalty, frequency_penalty) = (penalty("presence_penalty")?, penalty("frequency_penalty")?);
+    let logprobs = logprobs_asked(body, kind)?;
     let max_tokens = match field("max_completion_tokens")
         .map(|v| ("max_completion_tokens", v))
         .or(field("max_tokens").map(|v| ("max_tokens", v)))

@@ -260,8 +260,8 @@ impl Streamed {
     async fn end(self, answered: Result<(), Cut>) {
         let last = match answered {
             Ok(()) => {
-                if let Some(usage) = self.usage.clone().filter(|_| self.include_usage)
-                    && self.send(&openai::usage_chunk(self.kind, self.names.ids(), usage)).await.is_err()
+                if let Some(usage) = self.usage.as_ref().filter(|_| self.include_usage)
+                    && self.send(&openai::usage_chunk(self.kind, self.names.ids(), usage.clone())).await.is_err()
                 {
                     return;
                 }
