@@ -47,12 +47,14 @@ impl Peers {
             return None;
         }
         *count += 1;
+        metrics::gauge!("pdbridge_front_connections_open").increment(1.0);
         Some(Slot { peers: self.clone(), ip })
     }
 }
 
 impl Drop for Slot {
     fn drop(&mut self) {
+        metrics::gauge!("pdbridge_front_connections_open").decrement(1.0);
         let mut held = self.peers.0.lock().unwrap();
         if let Some(count) = held.get_mut(&self.ip) {
             *count -= 1;

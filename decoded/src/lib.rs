@@ -203,6 +203,8 @@ fn register_metrics() {
         "The decoder computing one pushed block's cache from its layer inputs."
     );
     metrics::describe_counter!("pdbridge_store_lookups_total", "Prefix lookups, by hit or miss.");
+    metrics::describe_gauge!("pdbridge_front_connections_open", "Front-door connections open now.");
+    metrics::gauge!("pdbridge_front_connections_open").set(0.0);
     metrics::describe_counter!(
         "pdbridge_front_connections_refused_total",
         "Front-door connections closed on accept: their address held front.max_connections_per_peer."

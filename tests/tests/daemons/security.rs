@@ -198,40 +198,51 @@ async fn the_front_door_wants_an_api_key_when_configured() {
 /// Slow clients are cut: a connection whose request headers have not all come within
 /// `front.header_read_timeout` (one that sends nothing, one that dribbles them, one kept alive
 /// after its answer) is closed; beyond `front.max_connections_per_peer` a connection is closed on
-/// accept; and a normal client is served throughout.
+/// accept, and a place freed is taken again; a normal client is served after each.
 #[tokio::test]
 async fn slow_clients_are_cut_and_one_peer_holds_a_bounded_number_of_connections() {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::{
+        io::{AsyncReadExt, AsyncWriteExt},
+        net::TcpStream,
+    };
 
     let scratch = Scratch::new("security-slow");
-    let extra = "[front]\nlisten = \"127.0.0.1:0\"\nheader_read_timeout = \"3s\"\nmax_connections_per_peer = 3\n";
-    let config = fixed_spec_config(&scratch.0.join("spec"), &scratch.0.join("store"), BLOCK_TOKENS, "")
-        .replace("[front]\nlisten = \"127.0.0.1:0\"\n", extra);
-    let decoded = Daemon::start("decoded", &config).await;
-    let front = decoded.front.unwrap();
-    let models = || async move {
-        let mut conn = tokio::net::TcpStream::connect(front).await.unwrap();
-        conn.write_all(b"GET /v1/models HTTP/1.1\r\nhost: x\r\n\r\n").await.unwrap();
+    // Two front doors, so that neither bound races the other on a busy machine: one cuts slow
+    // headers after 3 s, one holds connections for 2 minutes but only 3 of them.
+    let start = |name: &str, keys: &str| {
+        let extra = format!("[front]\nlisten = \"127.0.0.1:0\"\n{keys}");
+        let config =
+            fixed_spec_config(&scratch.0.join(name), &scratch.0.join(format!("{name}-store")), BLOCK_TOKENS, "")
+                .replace("[front]\nlisten = \"127.0.0.1:0\"\n", &extra);
+        async move { Daemon::start("decoded", &config).await }
+    };
+    let cutting = start("cutting", "header_read_timeout = \"3s\"\n").await;
+    let bounded = start("bounded", "header_read_timeout = \"120s\"\nmax_connections_per_peer = 3\n").await;
+    let request = |front, extra: &'static str| async move {
+        let mut conn = TcpStream::connect(front).await.unwrap();
+        conn.write_all(format!("GET /v1/models HTTP/1.1\r\nhost: x\r\n{extra}\r\n").as_bytes()).await.unwrap();
         conn
     };
     // Closed by the server: the read ends (after whatever answer it was owed). A guard of 20
     // timeouts, so a daemon that never cuts fails the test instead of hanging it.
-    let closed = |mut conn: tokio::net::TcpStream| async move {
+    let closed = |mut conn: TcpStream| async move {
         let mut seen = Vec::new();
         let started = std::time::Instant::now();
         let ended = tokio::time::timeout(Duration::from_secs(20), conn.read_to_end(&mut seen)).await;
         assert!(ended.is_ok(), "the connection stayed open for 20 s");
         (started.elapsed(), String::from_utf8_lossy(&seen).into_owned())
     };
+    let served = |front| async move {
+        let (_, answer) = closed(request(front, "connection: close\r\n").await).await;
+        assert!(answer.starts_with("HTTP/1.1 200 OK"), "{answer}");
+    };
 
-    let silent = tokio::net::TcpStream::connect(front).await.unwrap();
-    let mut dribbling = tokio::net::TcpStream::connect(front).await.unwrap();
+    // Slow headers: a silent client, a dribbling one, and one kept alive after its answer.
+    let front = cutting.front.unwrap();
+    let silent = TcpStream::connect(front).await.unwrap();
+    let mut dribbling = TcpStream::connect(front).await.unwrap();
     dribbling.write_all(b"GET /v1/models HTTP/1.1\r\nhost: x\r\n").await.unwrap();
-    // The peer's third connection: served, then kept alive with nothing more to say.
-    let kept_alive = models().await;
-    // A fourth is one too many: closed at once, answered nothing.
-    let (_, answer) = closed(tokio::net::TcpStream::connect(front).await.unwrap()).await;
-    assert_eq!(answer, "", "a connection past the bound got an answer");
+    let kept_alive = request(front, "").await;
     for (name, conn) in [("silent", silent), ("dribbling", dribbling)] {
         let (after, answer) = closed(conn).await;
         assert!(after < Duration::from_secs(15), "{name}: closed after {after:?}");
@@ -239,15 +250,22 @@ async fn slow_clients_are_cut_and_one_peer_holds_a_bounded_number_of_connections
     }
     let (_, answer) = closed(kept_alive).await;
     assert!(answer.starts_with("HTTP/1.1 200 OK"), "the kept-alive client had its answer first: {answer}");
-    // Their places are free again: a client is served.
-    let (_, answer) = closed({
-        let mut conn = tokio::net::TcpStream::connect(front).await.unwrap();
-        conn.write_all(b"GET /v1/models HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n").await.unwrap();
-        conn
-    })
-    .await;
-    assert!(answer.starts_with("HTTP/1.1 200 OK"), "{answer}");
-    decoded.wait_metric("pdbridge_front_connections_refused_total", 1.0, Duration::from_secs(10)).await;
+    cutting.wait_metric_where("pdbridge_front_connections_open", "0", |n| n == 0.0, Duration::from_secs(10)).await;
+    served(front).await;
+
+    // The bound: three held, a fourth closed at once, answered nothing; a place freed is taken.
+    let front = bounded.front.unwrap();
+    let mut held = Vec::new();
+    for _ in 0..3 {
+        held.push(TcpStream::connect(front).await.unwrap());
+    }
+    bounded.wait_metric("pdbridge_front_connections_open", 3.0, Duration::from_secs(10)).await;
+    let (_, answer) = closed(TcpStream::connect(front).await.unwrap()).await;
+    assert_eq!(answer, "", "a connection past the bound got an answer");
+    bounded.wait_metric("pdbridge_front_connections_refused_total", 1.0, Duration::from_secs(10)).await;
+    held.pop();
+    bounded.wait_metric_where("pdbridge_front_connections_open", "2", |n| n == 2.0, Duration::from_secs(10)).await;
+    served(front).await;
 }
 
 #[tokio::test]
