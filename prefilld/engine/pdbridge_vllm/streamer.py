@@ -369,9 +369,9 @@ class Streamer:
         self._send(stream, None)  # then close
 
     def _fail(self, stream: RequestStream, reason: str, message: str) -> None:
-        if stream.failed and stream.closed:
-            return
         stream.failed = True
+        if stream.closed:  # its end is already queued: nothing may follow it
+            return
         logger.warning("pdbridge: request %s failed: %s: %s", stream.params.request_id, reason,
                        message)
         self._send(stream, {"type": "error", "request_id": stream.params.request_id,
