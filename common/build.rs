@@ -1,6 +1,6 @@
 //! Compiles the protos with a pure-Rust protobuf compiler (no system `protoc`): `bridge.proto`
 //! (the daemons' gRPC contract; its descriptor set is kept for server reflection) and
-//! `engine.proto` (the decode engine adapter's JSON-lines protocol), and generates their
+//! `engine.proto` (the contracts with the engines), and generates their
 //! proto3-JSON serde impls with pbjson from the same descriptors.
 
 use std::{env, path::PathBuf};

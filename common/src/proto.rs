@@ -1,13 +1,16 @@
 //! Generated types of the protos, with their proto3-JSON serde impls (pbjson): `bridge.proto`
 //! (package `pdbridge.v1`, the daemons' gRPC contract) at this module's root, and
-//! `engine.proto` (package `pdbridge.engine.v1`, the decode engine adapter's protocol) in
+//! `engine.proto` (package `pdbridge.engine.v1`, the contracts with the engines: the decode adapter's
+//! protocol, the vLLM plugin's parameters and frames, block file metadata) in
 //! [`engine`].
 
 tonic::include_proto!("pdbridge.v1");
 include!(concat!(env!("OUT_DIR"), "/pdbridge.v1.serde.rs"));
 
-/// The decode engine adapter's unix-socket protocol (`proto/engine.proto`): JSON lines, each the
-/// proto3 JSON of a [`engine::Request`] or [`engine::Reply`], printed with the proto field names.
+/// The contracts with the engines (`proto/engine.proto`): the decode adapter's JSON lines (each the
+/// proto3 JSON of a [`engine::Request`] or [`engine::Reply`], printed with the proto field names),
+/// the vLLM plugin's [`engine::PluginParams`] and [`engine::PluginFrame`]s, a block file's
+/// [`engine::BlockMetadata`].
 // A `Reply` lives for one line; an info reply's size in it costs nothing worth a box.
 #[allow(clippy::large_enum_variant)]
 pub mod engine {
@@ -82,6 +85,13 @@ mod tests {
                 "ReconstructReply" => round_trip::<engine::ReconstructReply>(&text),
                 "Error" => round_trip::<engine::Error>(&text),
                 "PluginParams" => round_trip::<engine::PluginParams>(&text),
+                "PluginFrame" => round_trip::<engine::PluginFrame>(&text),
+                "PluginBlock" => round_trip::<engine::PluginBlock>(&text),
+                "PluginTensor" => round_trip::<engine::PluginTensor>(&text),
+                "PluginDone" => round_trip::<engine::PluginDone>(&text),
+                "PluginTimings" => round_trip::<engine::PluginTimings>(&text),
+                "PluginError" => round_trip::<engine::PluginError>(&text),
+                "BlockMetadata" => round_trip::<engine::BlockMetadata>(&text),
                 other => Err(format!("{other} is not a message of engine.proto")),
             };
             seen.insert(message.to_owned());
@@ -91,7 +101,7 @@ mod tests {
         }
         assert!(failures.is_empty(), "{}", failures.join("\n"));
         // One golden file at least per message.
-        assert_eq!(seen.len(), 18, "{seen:?}");
+        assert_eq!(seen.len(), 25, "{seen:?}");
     }
 
     /// A spec's proto3 JSON spells enums by name and takes the proto field names or lowerCamelCase.

@@ -6,7 +6,7 @@ use sha2::{Digest, Sha256};
 
 use crate::{
     block::{self, BlockKey},
-    proto::{CacheKind, CacheSpec, Dtype, Extent, LayerSpec, Payload},
+    proto::{CacheKind, CacheSpec, Extent, LayerSpec, Payload},
     shard::Expected,
 };
 
@@ -219,24 +219,10 @@ pub fn layer_input_bytes_per_token(spec: &CacheSpec) -> u64 {
     layers * u64::from(spec.hidden_size) * spec.input_dtype().size_bytes().unwrap_or(0) as u64
 }
 
-impl Dtype {
-    /// Parses a safetensors dtype name ("F32", "BF16", …).
-    pub fn from_safetensors_name(name: &str) -> Option<Dtype> {
-        Some(match name {
-            "F32" => Dtype::F32,
-            "F16" => Dtype::F16,
-            "BF16" => Dtype::Bf16,
-            "U32" => Dtype::U32,
-            "I32" => Dtype::I32,
-            "U8" => Dtype::U8,
-            _ => return None,
-        })
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::proto::Dtype;
 
     #[test]
     fn tokens_must_fit_the_context_and_the_vocabulary() {

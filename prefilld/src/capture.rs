@@ -1,14 +1,15 @@
 //! Receiving finished blocks from the vLLM plugin.
 //!
 //! The plugin (in the engine process that owns a request) connects to
-//! prefilld's unix socket and sends, per request, `block` messages as blocks
-//! finish and one `done` (or `error`) when the engine reports the end of the
-//! request's prefill. Under pipeline parallelism every stage does so on its
-//! own connection, each block holding only that stage's layers (`stage`,
-//! `stages` in its messages); [`Stages`] assembles them. Each message is a little-endian u32 header length, a
-//! JSON header, then `payload_bytes` raw bytes. The [`Router`] hands every
-//! message to the Prefill call that registered the request id, through a
-//! bounded channel: a slow decoder link slows the plugin, never grows memory.
+//! prefilld's unix socket and sends, per request, a `block` frame as each
+//! block finishes and one `done` (or `error`) when the engine reports the end
+//! of the request's prefill. Under pipeline parallelism every stage does so
+//! on its own connection, each block holding only that stage's layers;
+//! [`Stages`] assembles them. A frame is a little-endian u32 length, a
+//! `PluginFrame` (proto/engine.proto, protobuf's binary encoding), then the
+//! block's payload. The [`Router`] hands every frame to the Prefill call that
+//! registered the request id, through a bounded channel: a slow decoder link
+//! slows the plugin, never grows memory.
 //!
 //! The socket is the engine's, not the network's: it is created 0600, only
 //! processes of prefilld's own user may connect, and a block's payload is
@@ -22,7 +23,11 @@ use std::{
 };
 
 use bytes::{Bytes, BytesMut};
-use serde::Deserialize;
+use pdbridge_common::proto::{
+    Dtype,
+    engine::{PluginFailure, PluginFrame, PluginTensor, PluginTimings, plugin_frame::Frame},
+};
+use prost::Message;
 use tokio::{
     io::{AsyncRead, AsyncReadExt},
     net::UnixListener,
@@ -30,59 +35,45 @@ use tokio::{
 };
 use tokio_util::sync::CancellationToken;
 
-/// Largest JSON header accepted from the plugin.
+/// Largest frame header accepted from the plugin.
 const MAX_HEADER_BYTES: usize = 1 << 20;
 
-/// One tensor's slice of a block payload.
-#[derive(Debug, Clone, Deserialize)]
+/// One tensor's slice of a block payload, checked to lie inside it.
+#[derive(Debug, Clone)]
 pub struct TensorSlice {
     pub layer: u32,
     pub name: String,
-    pub dtype: String,
+    pub dtype: Dtype,
     pub shape: Vec<u64>,
     pub offset: usize,
     pub nbytes: usize,
 }
 
+impl TensorSlice {
+    fn of(t: PluginTensor, payload_bytes: u64) -> Result<Self, CaptureError> {
+        let malformed = |why: &str| CaptureError::Malformed(format!("tensor {}.{} {why}", t.layer, t.name));
+        let dtype = Dtype::try_from(t.dtype).ok().filter(|d| d.size_bytes().is_some());
+        let dtype = dtype.ok_or_else(|| malformed("has no known dtype"))?;
+        if t.offset.checked_add(t.nbytes).is_none_or(|end| end > payload_bytes) {
+            return Err(malformed("lies outside the payload"));
+        }
+        // Inside a payload whose size was checked against a usize bound: these fit.
+        let (offset, nbytes) = (t.offset as usize, t.nbytes as usize);
+        Ok(TensorSlice { layer: t.layer, name: t.name, dtype, shape: t.shape, offset, nbytes })
+    }
+}
+
 /// Which pipeline stage sent a message: the whole engine unless it says.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Stage {
-    #[serde(default, rename = "stage")]
     pub index: u32,
-    #[serde(default = "one_stage", rename = "stages")]
     pub count: u32,
 }
 
-fn one_stage() -> u32 {
-    1
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(tag = "type", rename_all = "lowercase")]
-enum Header {
-    Block {
-        request_id: String,
-        block_index: u32,
-        payload_bytes: usize,
-        tensors: Vec<TensorSlice>,
-        #[serde(flatten)]
-        stage: Stage,
-    },
-    Done {
-        request_id: String,
-        num_tokens: u32,
-        blocks_emitted: u32,
-        #[serde(default)]
-        timings_ms: BTreeMap<String, f64>,
-        #[serde(flatten)]
-        stage: Stage,
-    },
-    Error {
-        request_id: String,
-        reason: String,
-        #[serde(default)]
-        message: String,
-    },
+impl Stage {
+    fn of(frame: &PluginFrame) -> Self {
+        Stage { index: frame.stage, count: frame.stages.max(1) }
+    }
 }
 
 /// What the plugin reports for one request.
@@ -90,7 +81,7 @@ enum Header {
 pub enum PluginEvent {
     Block { index: u32, part: Part, stage: Stage },
     Done { end: End, stage: Stage },
-    Error { reason: String, message: String },
+    Error { failure: PluginFailure, message: String },
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -231,9 +222,8 @@ impl Router {
         };
         for request_id in unfinished {
             if let Some(tx) = self.sender(&request_id) {
-                let message = "the plugin's connection closed before the request's end (did the engine die?)";
-                let _ =
-                    tx.send(PluginEvent::Error { reason: "plugin_disconnected".into(), message: message.into() }).await;
+                let message = "the plugin's connection closed before the request's end (did the engine die?)".into();
+                let _ = tx.send(PluginEvent::Error { failure: PluginFailure::Internal, message }).await;
             }
         }
         ended
@@ -245,7 +235,21 @@ impl Router {
 pub struct End {
     pub num_tokens: u32,
     pub blocks_emitted: u32,
+    /// The plugin's stages by name (`PluginTimings`' fields without "_ms"), as `Outcome.stage_ms`
+    /// reports them.
     pub timings_ms: BTreeMap<String, f64>,
+}
+
+/// `PluginTimings` by stage name.
+fn named(t: PluginTimings) -> BTreeMap<String, f64> {
+    let stages = [
+        ("capture", t.capture_ms),
+        ("to_mlx", t.to_mlx_ms),
+        ("reconstruct", t.reconstruct_ms),
+        ("to_host", t.to_host_ms),
+        ("send", t.send_ms),
+    ];
+    stages.into_iter().map(|(name, ms)| (name.to_owned(), ms)).collect()
 }
 
 impl End {
@@ -340,7 +344,7 @@ impl Stages {
     }
 }
 
-/// Reads one message; `max_payload` says how large a block the named request
+/// Reads one frame; `max_payload` says how large a block the named request
 /// may receive, checked before anything is allocated for it (None: nobody
 /// waits for it, so its payload is skipped unread).
 async fn read_message(
@@ -359,84 +363,144 @@ async fn read_message(
     }
     let mut header = vec![0u8; header_len];
     stream.read_exact(&mut header).await?;
-    let header: Header = serde_json::from_slice(&header).map_err(|e| CaptureError::Malformed(e.to_string()))?;
-    Ok(Some(match header {
-        Header::Block { request_id, block_index, payload_bytes, mut tensors, stage } => {
-            if let Some(t) = tensors.iter().find(|t| t.offset.saturating_add(t.nbytes) > payload_bytes) {
-                return Err(CaptureError::Malformed(format!("tensor {}.{} outside the payload", t.layer, t.name)));
-            }
-            let payload = match max_payload(&request_id) {
+    let frame = PluginFrame::decode(header.as_slice()).map_err(|e| CaptureError::Malformed(e.to_string()))?;
+    let stage = Stage::of(&frame);
+    let event = match frame.frame {
+        Some(Frame::Block(block)) => {
+            let bytes = block.payload_bytes;
+            let tensors: Vec<_> =
+                block.tensors.into_iter().map(|t| TensorSlice::of(t, bytes)).collect::<Result<_, _>>()?;
+            let part = match max_payload(&frame.request_id) {
+                Some(limit) => Part { tensors, payload: read_payload(stream, bytes, limit, &frame.request_id).await? },
                 None => {
-                    let mut rest = (&mut *stream).take(payload_bytes as u64);
-                    if tokio::io::copy(&mut rest, &mut tokio::io::sink()).await? < payload_bytes as u64 {
-                        return Err(CaptureError::Io(std::io::ErrorKind::UnexpectedEof.into()));
-                    }
-                    tensors.clear(); // the payload they pointed into is dropped
-                    Bytes::new()
-                }
-                Some(limit) if payload_bytes > limit => {
-                    return Err(CaptureError::Malformed(format!(
-                        "block of {payload_bytes} bytes for {request_id:?}, which accepts at most {limit}"
-                    )));
-                }
-                Some(_) => {
-                    let mut payload = BytesMut::zeroed(payload_bytes);
-                    stream.read_exact(&mut payload).await?;
-                    payload.freeze()
+                    skip(stream, bytes).await?;
+                    Part { tensors: Vec::new(), payload: Bytes::new() } // the payload they pointed into is gone
                 }
             };
-            (request_id, PluginEvent::Block { index: block_index, part: Part { tensors, payload }, stage })
+            PluginEvent::Block { index: block.index, part, stage }
         }
-        Header::Done { request_id, num_tokens, blocks_emitted, timings_ms, stage } => {
-            (request_id, PluginEvent::Done { end: End { num_tokens, blocks_emitted, timings_ms }, stage })
+        Some(Frame::Done(done)) => {
+            let timings_ms = named(done.timings.unwrap_or_default());
+            PluginEvent::Done {
+                end: End { num_tokens: done.num_tokens, blocks_emitted: done.blocks_emitted, timings_ms },
+                stage,
+            }
         }
-        Header::Error { request_id, reason, message } => (request_id, PluginEvent::Error { reason, message }),
-    }))
+        Some(Frame::Error(error)) => PluginEvent::Error { failure: error.failure(), message: error.message },
+        None => return Err(CaptureError::Malformed("a frame that is no block, done or error".into())),
+    };
+    Ok(Some((frame.request_id, event)))
+}
+
+/// A block's payload of `bytes`, if its request accepts that much (`limit`).
+async fn read_payload(
+    stream: &mut (impl AsyncRead + Unpin),
+    bytes: u64,
+    limit: usize,
+    request_id: &str,
+) -> Result<Bytes, CaptureError> {
+    if bytes > limit as u64 {
+        return Err(CaptureError::Malformed(format!(
+            "block of {bytes} bytes for {request_id:?}, which accepts at most {limit}"
+        )));
+    }
+    let mut payload = BytesMut::zeroed(bytes as usize);
+    stream.read_exact(&mut payload).await?;
+    Ok(payload.freeze())
+}
+
+/// Reads past a payload nobody waits for.
+async fn skip(stream: &mut (impl AsyncRead + Unpin), bytes: u64) -> Result<(), CaptureError> {
+    if tokio::io::copy(&mut (&mut *stream).take(bytes), &mut tokio::io::sink()).await? < bytes {
+        return Err(CaptureError::Io(std::io::ErrorKind::UnexpectedEof.into()));
+    }
+    Ok(())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn frame(header: serde_json::Value, payload: &[u8]) -> Vec<u8> {
-        let header = serde_json::to_vec(&header).unwrap();
+    use pdbridge_common::proto::engine::{PluginBlock, PluginDone, PluginError};
+
+    fn frame(message: PluginFrame, payload: &[u8]) -> Vec<u8> {
+        let header = message.encode_to_vec();
         let mut out = (header.len() as u32).to_le_bytes().to_vec();
         out.extend(header);
         out.extend(payload);
         out
     }
 
+    fn tensor(offset: u64, nbytes: u64) -> PluginTensor {
+        let shape = vec![nbytes / 4];
+        PluginTensor { layer: 0, name: "keys".into(), dtype: Dtype::F32 as i32, shape, offset, nbytes }
+    }
+
+    fn message(request_id: &str, frame: Frame) -> PluginFrame {
+        PluginFrame { request_id: request_id.into(), frame: Some(frame), ..Default::default() }
+    }
+
+    fn block(request_id: &str, payload_bytes: u64, tensors: Vec<PluginTensor>) -> PluginFrame {
+        message(request_id, Frame::Block(PluginBlock { index: 0, payload_bytes, tensors }))
+    }
+
+    fn done(request_id: &str, num_tokens: u32) -> PluginFrame {
+        message(request_id, Frame::Done(PluginDone { num_tokens, blocks_emitted: 1, timings: None }))
+    }
+
     #[tokio::test]
-    async fn parses_block_done_and_error_messages() {
-        let tensor = serde_json::json!({"layer": 0, "name": "keys", "dtype": "F32", "shape": [1, 1, 1, 2], "offset": 0, "nbytes": 8});
-        let mut bytes = frame(
-            serde_json::json!({"type": "block", "request_id": "r", "block_index": 3, "payload_bytes": 8, "tensors": [tensor]}),
-            &[1, 2, 3, 4, 5, 6, 7, 8],
-        );
-        bytes.extend(frame(
-            serde_json::json!({"type": "done", "request_id": "r", "num_tokens": 9, "blocks_emitted": 1}),
-            &[],
-        ));
-        bytes.extend(frame(serde_json::json!({"type": "error", "request_id": "r", "reason": "x"}), &[]));
+    async fn parses_block_done_and_error_frames() {
+        let third = PluginBlock { index: 3, payload_bytes: 8, tensors: vec![tensor(0, 8)] };
+        let mut bytes = frame(message("r", Frame::Block(third)), &[1, 2, 3, 4, 5, 6, 7, 8]);
+        bytes.extend(frame(done("r", 9), &[]));
+        let error = PluginError { failure: PluginFailure::BundleMismatch as i32, message: "x".into() };
+        bytes.extend(frame(message("r", Frame::Error(error)), &[]));
         let mut reader = bytes.as_slice();
         let (id, event) = read_message(&mut reader, |_| Some(8)).await.unwrap().unwrap();
         assert_eq!(id, "r");
         let whole = Stage { index: 0, count: 1 };
-        assert!(
-            matches!(event, PluginEvent::Block { index: 3, ref part, stage } if part.payload.len() == 8 && stage == whole)
-        );
+        let PluginEvent::Block { index: 3, part, stage } = event else { panic!("{event:?}") };
+        assert_eq!((part.payload.len(), stage, part.tensors[0].dtype), (8, whole, Dtype::F32));
         let (_, event) = read_message(&mut reader, |_| Some(8)).await.unwrap().unwrap();
         assert!(
             matches!(event, PluginEvent::Done { ref end, stage } if (end.num_tokens, end.blocks_emitted) == (9, 1) && stage == whole)
         );
         let (_, event) = read_message(&mut reader, |_| Some(8)).await.unwrap().unwrap();
-        assert!(matches!(event, PluginEvent::Error { ref reason, .. } if reason == "x"));
+        assert!(
+            matches!(event, PluginEvent::Error { failure: PluginFailure::BundleMismatch, ref message } if message == "x")
+        );
         assert!(read_message(&mut reader, |_| Some(8)).await.unwrap().is_none());
+    }
+
+    /// proto/golden's frames, which the plugin's tests also hold to its writer: framed, they read
+    /// as the events they describe, the plugin's timings under `Outcome.stage_ms`'s stage names.
+    #[tokio::test]
+    async fn the_golden_frames_read_as_their_events() {
+        let golden = |name: &str| -> PluginFrame {
+            let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../proto/golden").join(name);
+            serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+        };
+        let block = golden("PluginFrame.json");
+        let Some(Frame::Block(ref b)) = block.frame else { panic!("PluginFrame.json is a block") };
+        let mut bytes = frame(block.clone(), &vec![0; b.payload_bytes as usize]);
+        bytes.extend(frame(golden("PluginFrame.done.json"), &[]));
+        bytes.extend(frame(golden("PluginFrame.error.json"), &[]));
+        let mut reader = bytes.as_slice();
+        let (_, event) = read_message(&mut reader, |_| Some(1 << 20)).await.unwrap().unwrap();
+        let PluginEvent::Block { part, stage, .. } = event else { panic!("{event:?}") };
+        assert_eq!((part.tensors.len(), stage), (b.tensors.len(), Stage { index: block.stage, count: block.stages }));
+        let (_, event) = read_message(&mut reader, |_| None).await.unwrap().unwrap();
+        let PluginEvent::Done { end, .. } = event else { panic!("{event:?}") };
+        let stages: Vec<_> = end.timings_ms.keys().map(String::as_str).collect();
+        assert_eq!(stages, ["capture", "reconstruct", "send", "to_host", "to_mlx"]);
+        assert!(end.timings_ms.values().all(|&ms| ms > 0.0), "every stage's time is read: {:?}", end.timings_ms);
+        let (_, event) = read_message(&mut reader, |_| None).await.unwrap().unwrap();
+        assert!(matches!(event, PluginEvent::Error { failure, .. } if failure != PluginFailure::Unspecified));
     }
 
     fn part(layer: u32) -> Part {
         let tensor =
-            TensorSlice { layer, name: "keys".into(), dtype: "F32".into(), shape: vec![1], offset: 0, nbytes: 4 };
+            TensorSlice { layer, name: "keys".into(), dtype: Dtype::F32, shape: vec![1], offset: 0, nbytes: 4 };
         Part { tensors: vec![tensor], payload: Bytes::from_static(&[0; 4]) }
     }
 
@@ -490,32 +554,31 @@ mod tests {
 
     #[tokio::test]
     async fn a_stage_names_itself_in_its_messages() {
-        let bytes = frame(
-            serde_json::json!({"type": "done", "request_id": "r", "num_tokens": 9, "blocks_emitted": 1, "stage": 1, "stages": 2}),
-            &[],
-        );
+        let bytes = frame(PluginFrame { stage: 1, stages: 2, ..done("r", 9) }, &[]);
         let (_, event) = read_message(&mut bytes.as_slice(), |_| Some(8)).await.unwrap().unwrap();
         assert!(matches!(event, PluginEvent::Done { stage: Stage { index: 1, count: 2 }, .. }));
     }
 
     #[tokio::test]
-    async fn refuses_a_tensor_outside_its_payload() {
-        let tensor =
-            serde_json::json!({"layer": 0, "name": "keys", "dtype": "F32", "shape": [2], "offset": 4, "nbytes": 8});
-        let bytes = frame(
-            serde_json::json!({"type": "block", "request_id": "r", "block_index": 0, "payload_bytes": 8, "tensors": [tensor]}),
-            &[0; 8],
-        );
-        assert!(matches!(read_message(&mut bytes.as_slice(), |_| Some(8)).await, Err(CaptureError::Malformed(_))));
+    async fn refuses_a_tensor_outside_its_payload_or_of_no_known_dtype() {
+        for (tensor, why) in [
+            (tensor(4, 8), "outside the payload"),
+            (tensor(u64::MAX, 2), "outside the payload"),
+            (PluginTensor { dtype: 0, ..tensor(0, 8) }, "no known dtype"),
+            (PluginTensor { dtype: 99, ..tensor(0, 8) }, "no known dtype"),
+        ] {
+            let bytes = frame(block("r", 8, vec![tensor]), &[0; 8]);
+            let refused = read_message(&mut bytes.as_slice(), |_| Some(8)).await;
+            assert!(matches!(refused, Err(CaptureError::Malformed(ref m)) if m.contains(why)), "{refused:?}");
+        }
+        let empty = frame(PluginFrame { request_id: "r".into(), ..Default::default() }, &[]);
+        assert!(matches!(read_message(&mut empty.as_slice(), |_| Some(8)).await, Err(CaptureError::Malformed(_))));
     }
 
     #[tokio::test]
     async fn refuses_a_block_larger_than_its_request_accepts_before_reading_it() {
-        let tensor =
-            serde_json::json!({"layer": 0, "name": "keys", "dtype": "F32", "shape": [2], "offset": 0, "nbytes": 8});
-        let header = serde_json::json!({"type": "block", "request_id": "r", "block_index": 0, "payload_bytes": 1u64 << 40, "tensors": [tensor]});
         // Only the header is there: a reader that allocated or waited for the payload would fail otherwise.
-        let bytes = frame(header, &[]);
+        let bytes = frame(block("r", 1 << 40, vec![tensor(0, 8)]), &[]);
         let refused = read_message(&mut bytes.as_slice(), |id| (id == "r").then_some(1 << 20)).await;
         assert!(matches!(refused, Err(CaptureError::Malformed(ref m)) if m.contains("at most 1048576")), "{refused:?}");
     }
@@ -536,24 +599,13 @@ mod tests {
         let mut finished = router.register("finished", 4).unwrap();
         cut.expect_blocks(4);
         finished.expect_blocks(4);
-        let block = |id: &str| {
-            let tensor =
-                serde_json::json!({"layer": 0, "name": "keys", "dtype": "F32", "shape": [1], "offset": 0, "nbytes": 4});
-            frame(
-                serde_json::json!({"type": "block", "request_id": id, "block_index": 0, "payload_bytes": 4, "tensors": [tensor]}),
-                &[0; 4],
-            )
-        };
-        let mut bytes = block("cut");
-        bytes.extend(block("finished"));
-        bytes.extend(frame(
-            serde_json::json!({"type": "done", "request_id": "finished", "num_tokens": 4, "blocks_emitted": 1}),
-            &[],
-        ));
+        let mut bytes = frame(block("cut", 4, vec![tensor(0, 4)]), &[0; 4]);
+        bytes.extend(frame(block("finished", 4, vec![tensor(0, 4)]), &[0; 4]));
+        bytes.extend(frame(done("finished", 4), &[]));
         router.relay(bytes.as_slice()).await.unwrap();
         assert!(matches!(cut.events.recv().await, Some(PluginEvent::Block { .. })));
         assert!(
-            matches!(cut.events.recv().await, Some(PluginEvent::Error { ref reason, .. }) if reason == "plugin_disconnected")
+            matches!(cut.events.recv().await, Some(PluginEvent::Error { ref message, .. }) if message.contains("connection closed"))
         );
         assert!(matches!(finished.events.recv().await, Some(PluginEvent::Block { .. })));
         assert!(matches!(finished.events.recv().await, Some(PluginEvent::Done { .. })));
@@ -592,8 +644,7 @@ mod tests {
             let id = prop_oneof![Just("r".to_owned()), Just("gone".to_owned()), "[a-z]{0,3}"];
             (id, 0usize..2 * LIMIT, 0usize..LIMIT, 0usize..LIMIT, 0usize..64).prop_map(
                 |(request_id, payload_bytes, offset, nbytes, sent)| {
-                    let tensor = serde_json::json!({"layer": 0, "name": "k", "dtype": "F32", "shape": [1], "offset": offset, "nbytes": nbytes});
-                    let header = serde_json::json!({"type": "block", "request_id": request_id, "block_index": 0, "payload_bytes": payload_bytes, "tensors": [tensor]});
+                    let header = block(&request_id, payload_bytes as u64, vec![tensor(offset as u64, nbytes as u64)]);
                     frame(header, &vec![1u8; sent.min(payload_bytes)])
                 },
             )

@@ -169,6 +169,10 @@ async fn track_readiness(bridge: Arc<Bridge>, decoder: Option<String>, readiness
 fn register_metrics() {
     telemetry::register_common("vllm", "Prefiller");
     metrics::describe_counter!("pdbridge_prefill_requests_total", "Prefill requests by outcome and reason.");
+    metrics::describe_counter!(
+        "pdbridge_plugin_failures_total",
+        "Requests the vLLM plugin failed, by its reason (proto/engine.proto's PluginFailure)."
+    );
     metrics::describe_histogram!(
         "pdbridge_prefill_duration_seconds",
         metrics::Unit::Seconds,

@@ -14,8 +14,11 @@ use std::{collections::BTreeMap, sync::Arc, time::Duration};
 use bytes::Bytes;
 use pdbridge_common::{
     proto::{
-        self, CacheSpec, Dtype, LookupRequest, Outcome, Payload, PrefillEvent, Progress, PushFrame, PushOpen,
-        PushReceipt, PushSeal, engine::PluginParams, outcome::Status as OutcomeStatus, prefill_event::Event,
+        self, CacheSpec, LookupRequest, Outcome, Payload, PrefillEvent, Progress, PushFrame, PushOpen, PushReceipt,
+        PushSeal,
+        engine::{PluginFailure, PluginParams},
+        outcome::Status as OutcomeStatus,
+        prefill_event::Event,
         push_frame::Frame,
     },
     reason::Reason,
@@ -211,10 +214,13 @@ impl Bridge {
     ) -> Result<u64, Failure> {
         let mut bytes = 0;
         for t in tensors {
-            let dtype = Dtype::from_safetensors_name(&t.dtype)
-                .ok_or_else(|| fail(Reason::PrefillFailed, format!("dtype {}", t.dtype)))?;
-            let id =
-                TensorId { block_index: index, layer: t.layer, tensor: t.name.clone(), dtype, shape: t.shape.clone() };
+            let id = TensorId {
+                block_index: index,
+                layer: t.layer,
+                tensor: t.name.clone(),
+                dtype: t.dtype,
+                shape: t.shape.clone(),
+            };
             let data = payload.slice(t.offset..t.offset + t.nbytes);
             for shard in shard::split(&id, data, self.stream.max_shard_bytes) {
                 bytes += shard.payload.len() as u64;
@@ -226,6 +232,19 @@ impl Bridge {
         }
         Ok(bytes)
     }
+}
+
+/// The plugin's failure of the request as a bridge's: a bundle that does not fit this engine's
+/// model is a mismatch between the boxes, anything else the prefill's own failure. The detail
+/// names the plugin's reason as the proto does.
+fn plugin_error(failure: PluginFailure, message: &str) -> Failure {
+    let reason = match failure {
+        PluginFailure::BundleMismatch => Reason::SpecMismatch,
+        _ => Reason::PrefillFailed,
+    };
+    let name = failure.as_str_name().trim_start_matches("PLUGIN_FAILURE_").to_ascii_lowercase();
+    metrics::counter!("pdbridge_plugin_failures_total", "failure" => name.clone()).increment(1);
+    fail(reason, format!("plugin: {name}: {message}"))
 }
 
 /// Why a call to a decoder failed: the reason its status carries; from a
@@ -423,9 +442,7 @@ impl<'a> Transfer<'a> {
                 Ok(None)
             }
             Some(PluginEvent::Done { end, stage }) => self.on_end(stage, end),
-            Some(PluginEvent::Error { reason, message }) => {
-                Err(fail(Reason::PrefillFailed, format!("plugin: {reason}: {message}")))
-            }
+            Some(PluginEvent::Error { failure, message }) => Err(plugin_error(failure, &message)),
             None => Err(fail(Reason::PrefillFailed, "plugin channel closed")),
         }
     }

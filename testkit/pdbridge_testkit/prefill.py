@@ -14,6 +14,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from google.protobuf import json_format
+from pdbridge_cache.proto import engine_pb2
 from pdbridge_vllm import models, protocol
 
 from . import HF_DIR, NUM_LAYERS, PYTHON, REPO
@@ -35,9 +37,19 @@ def prompt_tokens(n: int) -> list[int]:
     return ids[:n]
 
 
+def kind(frame: engine_pb2.PluginFrame) -> str:
+    """"block", "done" or "error"."""
+    return frame.WhichOneof("frame")
+
+
+def timings(frame: engine_pb2.PluginFrame) -> dict[str, float]:
+    """A `done` frame's stage timings by field, for people."""
+    return json_format.MessageToDict(frame.done.timings, preserving_proto_field_name=True)
+
+
 class Receiver:
-    """prefilld's side of the plugin socket: accepts connections, records every message with its
-    arrival time, keyed by request id."""
+    """prefilld's side of the plugin socket: accepts connections, records every frame (a
+    `PluginFrame` and its payload) with its arrival time, keyed by request id."""
 
     def __init__(self, path: Path):
         self.path = str(path)
@@ -46,7 +58,7 @@ class Receiver:
         self._srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._srv.bind(self.path)
         self._srv.listen(16)
-        self.messages: dict[str, list[tuple[float, dict, bytes]]] = {}
+        self.messages: dict[str, list[tuple[float, engine_pb2.PluginFrame, bytes]]] = {}
         self.connections = 0
         self._cv = threading.Condition()
         threading.Thread(target=self._accept, daemon=True).start()
@@ -63,20 +75,20 @@ class Receiver:
 
     def _read(self, conn):
         with conn, conn.makefile("rb") as f:
-            while (msg := protocol.read_message(f)) is not None:
-                header, payload = msg
+            while (msg := protocol.read_frame(f)) is not None:
+                frame, payload = msg
                 with self._cv:
-                    self.messages.setdefault(header["request_id"], []).append(
-                        (time.perf_counter(), header, payload))
+                    self.messages.setdefault(frame.request_id, []).append(
+                        (time.perf_counter(), frame, payload))
                     self._cv.notify_all()
 
     def wait_final(self, request_id: str, timeout: float = 300, streams: int = 1
-                   ) -> list[tuple[float, dict, bytes]]:
-        """Messages of `request_id` up to and including the `done`/`error` of each of its
+                   ) -> list[tuple[float, engine_pb2.PluginFrame, bytes]]:
+        """Frames of `request_id` up to and including the `done`/`error` of each of its
         `streams` (one per pipeline stage)."""
         def final():
             msgs = self.messages.get(request_id, [])
-            return sum(h["type"] in ("done", "error") for _, h, _ in msgs) >= streams
+            return sum(kind(h) in ("done", "error") for _, h, _ in msgs) >= streams
         with self._cv:
             if not self._cv.wait_for(final, timeout):
                 raise TimeoutError(f"no done/error for {request_id}: {self.messages.get(request_id)}")

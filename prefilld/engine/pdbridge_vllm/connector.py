@@ -494,6 +494,6 @@ class PdBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         bs = self._block_size
         return self._kv_cache[slots // bs, :, slots % bs]  # advanced indexing copies, on the cache's device
 
-    def _fail(self, st: _WorkerState, reason: str, message: str) -> None:
+    def _fail(self, st: _WorkerState, failure: int, message: str) -> None:
         st.finished = True
-        self._streamer.submit_error(st.stream, reason, message)
+        self._streamer.submit_error(st.stream, failure, message)

@@ -1,60 +1,52 @@
-"""Framing of the plugin → prefilld unix-socket stream (the contract with prefilld's Rust side).
+"""Framing of the plugin → prefilld unix-socket stream (the contract with prefilld's Rust side,
+`prefilld/src/capture.rs`); proto/engine.proto's `PluginFrame` documents every field.
 
-Every message is::
+Every frame is::
 
     u32 little-endian   length of the header
-    header              UTF-8 JSON object, always with "type" and "request_id"
-    payload             exactly header["payload_bytes"] raw bytes (0 when the key is absent)
+    header              a `PluginFrame`, protobuf's binary encoding
+    payload             a block's `payload_bytes` raw bytes (none for `done` and `error`)
 
-Message types, in stream order for one request (one connection per request; under pipeline
-parallelism one per stage and request, and every message of a stage carries ``stage`` (its index)
-and ``stages`` (their count): a stage's ``block`` holds only its layers, prefilld assembles a block
-from every stage's, and the request ends with every stage's ``done``):
+A request's stream (one connection per request; under pipeline parallelism one per stage and
+request, each frame naming its `stage` and the `stages`): a `block` frame per finished block, then
+one `done`, or one `error` (blocks sent before it stay valid: each is self-contained).
 
-* ``block`` — one finished block: the decoder's cache, or (a request whose ``payload`` is
-  ``layer_inputs``) each layer's input for the decoder to compute it. ``payload_bytes`` bytes follow;
-  each entry of ``tensors`` (layers in ascending order, a layer's tensors in its codec's order)
-  names a contiguous little-endian slice ``[offset, offset + nbytes)`` of the payload.
-* ``done`` — end of the request's prefill: ``num_tokens`` captured, ``blocks_emitted``,
-  ``timings_ms``. Last message of a successful stream.
-* ``error`` — ``reason`` (machine-readable) and ``message``. Last message of a failed stream;
-  blocks sent before it stay valid (each block is self-contained).
-
-This module is pure Python (no vLLM, no MLX) so tests and tools can reuse it.
+No vLLM, no MLX here, so tests and tools reuse it.
 """
 
 from __future__ import annotations
 
-import json
 import socket
 import struct
 from collections.abc import Sequence
-from typing import Any, BinaryIO
+from typing import BinaryIO
+
+from pdbridge_cache.proto import engine_pb2
 
 _LEN = struct.Struct("<I")
 
-# Machine-readable error reasons (the `reason` field of an `error` message).
-BAD_PARAMS = "bad_params"  # the request's pdbridge params are malformed
-PROMPT_TOO_SHORT = "prompt_too_short"  # requested blocks reach past the prompt
-BUNDLE_UNREADABLE = "bundle_unreadable"  # the bundle file is missing or not a valid bundle
-BUNDLE_MISMATCH = "bundle_mismatch"  # sha256 differs, or the bundle does not fit this engine
-CAPTURE_MISSING = "capture_missing"  # a step computed tokens whose hidden states were not captured
-LENGTH_MISMATCH = "length_mismatch"  # captured length != prompt length at the end of prefill
-RECONSTRUCT_FAILED = "reconstruct_failed"  # MLX raised while computing a block
-ABORTED = "aborted"  # the engine finished the request before its prefill completed
-INTERNAL = "internal"  # anything else; the message says what
+# Why the plugin failed a request (`PluginError.failure`).
+BAD_PARAMS = engine_pb2.PLUGIN_FAILURE_BAD_PARAMS
+PROMPT_TOO_SHORT = engine_pb2.PLUGIN_FAILURE_PROMPT_TOO_SHORT
+BUNDLE_UNREADABLE = engine_pb2.PLUGIN_FAILURE_BUNDLE_UNREADABLE
+BUNDLE_MISMATCH = engine_pb2.PLUGIN_FAILURE_BUNDLE_MISMATCH
+CAPTURE_MISSING = engine_pb2.PLUGIN_FAILURE_CAPTURE_MISSING
+LENGTH_MISMATCH = engine_pb2.PLUGIN_FAILURE_LENGTH_MISMATCH
+RECONSTRUCT_FAILED = engine_pb2.PLUGIN_FAILURE_RECONSTRUCT_FAILED
+ABORTED = engine_pb2.PLUGIN_FAILURE_ABORTED
+INTERNAL = engine_pb2.PLUGIN_FAILURE_INTERNAL
 
 
-def encode_header(header: dict[str, Any]) -> bytes:
-    """Length prefix + compact JSON header (no payload)."""
-    raw = json.dumps(header, separators=(",", ":")).encode()
+def encode_header(frame: engine_pb2.PluginFrame) -> bytes:
+    """Length prefix + the frame (no payload)."""
+    raw = frame.SerializeToString()
     return _LEN.pack(len(raw)) + raw
 
 
-def send_message(sock: socket.socket, header: dict[str, Any],
-                 payload: Sequence[memoryview] = ()) -> None:
-    """Send one message; `payload` parts are written back to back without joining them."""
-    sock.sendall(encode_header(header))
+def send_frame(sock: socket.socket, frame: engine_pb2.PluginFrame,
+               payload: Sequence[memoryview] = ()) -> None:
+    """Sends one frame; `payload` parts are written back to back without joining them."""
+    sock.sendall(encode_header(frame))
     for part in payload:
         sock.sendall(part)
 
@@ -69,14 +61,15 @@ def _read_exact(stream: BinaryIO, n: int) -> bytes:
     return bytes(buf)
 
 
-def read_message(stream: BinaryIO) -> tuple[dict[str, Any], bytes] | None:
-    """Read one message from a binary stream (e.g. ``sock.makefile("rb")``); None at a clean EOF."""
+def read_frame(stream: BinaryIO) -> tuple[engine_pb2.PluginFrame, bytes] | None:
+    """Reads one frame and its payload from a binary stream (e.g. ``sock.makefile("rb")``); None at
+    a clean EOF."""
     first = stream.read(_LEN.size)
     if not first:
         return None
     if len(first) < _LEN.size:
         first += _read_exact(stream, _LEN.size - len(first))
     (hlen,) = _LEN.unpack(first)
-    header = json.loads(_read_exact(stream, hlen))
-    payload = _read_exact(stream, int(header.get("payload_bytes", 0)))
-    return header, payload
+    frame = engine_pb2.PluginFrame.FromString(_read_exact(stream, hlen))
+    size = frame.block.payload_bytes if frame.WhichOneof("frame") == "block" else 0
+    return frame, _read_exact(stream, size)

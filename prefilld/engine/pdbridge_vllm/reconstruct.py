@@ -19,6 +19,8 @@ import mlx.core as mx
 from pdbridge_cache.kinds import TOKEN_AXIS
 from pdbridge_cache.layers import BundleError as CodecBundleError
 from pdbridge_cache.layers import CachePath
+from pdbridge_cache.format import proto_dtype
+from pdbridge_cache.proto import bridge_pb2, engine_pb2
 from pdbridge_cache.safetensors_io import dtype_name
 
 from . import protocol
@@ -29,11 +31,11 @@ LAYER_INPUT = "input"
 
 
 class BundleError(Exception):
-    """The bundle cannot be used; `reason` is a protocol error reason."""
+    """The bundle cannot be used; `failure` is a `PluginFailure` (protocol's names)."""
 
-    def __init__(self, reason: str, message: str):
+    def __init__(self, failure: int, message: str):
         super().__init__(message)
-        self.reason = reason
+        self.failure = failure
 
 
 def file_sha256(path: str) -> str:
@@ -59,8 +61,8 @@ def load(path: str, expected_sha256: str | None, dense_weights: bool = False) ->
     try:
         cache_path = CachePath.from_bundle(path)
     except CodecBundleError as e:
-        reason = protocol.BUNDLE_UNREADABLE if e.unreadable else protocol.BUNDLE_MISMATCH
-        raise BundleError(reason, str(e)) from None
+        failure = protocol.BUNDLE_UNREADABLE if e.unreadable else protocol.BUNDLE_MISMATCH
+        raise BundleError(failure, str(e)) from None
     except Exception as e:  # a file MLX cannot parse
         raise BundleError(protocol.BUNDLE_UNREADABLE, f"{path}: {e}") from None
     if dense_weights:
@@ -124,14 +126,15 @@ def layer_inputs(path: CachePath, hidden: mx.array) -> list:
 
 
 def wire(rows: list, handoff=None) -> tuple[list, list]:
-    """A block's rows as its message: tensor headers and the payload, every tensor's bytes back to
+    """A block's rows as its frame: `PluginTensor`s and the payload, every tensor's bytes back to
     back in one buffer laid out in MLX (so a GPU's block leaves in one copy, not one per tensor or
     a strided read per cut block)."""
     headers, flat, at = [], [], 0
     for layer, name, array in rows:
         nbytes = array.nbytes
-        headers.append({"layer": layer, "name": name, "dtype": dtype_name(array.dtype),
-                        "shape": list(array.shape), "offset": at, "nbytes": nbytes})
+        dtype = bridge_pb2.Dtype.Value(proto_dtype(dtype_name(array.dtype)))
+        headers.append(engine_pb2.PluginTensor(layer=layer, name=name, dtype=dtype, shape=array.shape,
+                                               offset=at, nbytes=nbytes))
         flat.append(mx.flatten(array).view(mx.uint8))
         at += nbytes
     payload = mx.concatenate(flat) if len(flat) > 1 else flat[0]

@@ -34,7 +34,8 @@ logger = logging.getLogger("vllm.pdbridge_vllm")
 
 # What a request's blocks carry (`payload` of its params).
 CACHE, LAYER_INPUTS = "cache", "layer_inputs"
-# The stages a request's `done` reports the time of (`RequestStream.ms`).
+# The stages a request's `done` reports the time of (`RequestStream.ms`; `PluginTimings` has a
+# "<stage>_ms" field for each).
 STAGES = ("capture", "to_mlx", "reconstruct", "to_host", "send")
 
 
@@ -187,9 +188,9 @@ class Streamer:
     def submit_done(self, stream: RequestStream, num_tokens: int) -> None:
         self._put(("done", stream, num_tokens))
 
-    def submit_error(self, stream: RequestStream, reason: str, message: str) -> None:
+    def submit_error(self, stream: RequestStream, failure: int, message: str) -> None:
         stream.failed = True
-        self._put(("error", stream, (reason, message)))
+        self._put(("error", stream, (failure, message)))
 
     def close(self) -> None:
         if self._threads:
@@ -280,7 +281,7 @@ class Streamer:
             try:
                 path = reconstruct.load(p.bundle_path, p.bundle_sha256 or None, self._dense_weights)
             except reconstruct.BundleError as e:
-                self._fail(stream, e.reason, str(e))
+                self._fail(stream, e.failure, str(e))
                 raise _StreamFailed from None
             if self._stage is not None:  # this stage's part of the decoder's layers
                 path = path.restricted(self._capture_layer_ids)
@@ -356,36 +357,37 @@ class Streamer:
 
         with _clock(stream, "to_host"):
             tensors, payload = reconstruct.wire(rows, self._handoff_for())
-        header = {"type": "block", "request_id": stream.params.request_id,
-                  "block_index": block_index, "payload_bytes": sum(t["nbytes"] for t in tensors),
-                  "tensors": tensors}
-        self._send(stream, header, payload)
+        block = engine_pb2.PluginBlock(index=block_index, payload_bytes=sum(t.nbytes for t in tensors),
+                                       tensors=tensors)
+        self._send(stream, self._frame(stream, block=block), payload)
         stream.blocks_emitted += not tail  # the tail is not one of the request's blocks
 
     def _emit_done(self, stream: RequestStream, num_tokens: int) -> None:
         # The sender fills in the timings when it sends it: its own socket time is the last.
-        self._send(stream, {"type": "done", "request_id": stream.params.request_id,
-                            "num_tokens": num_tokens, "blocks_emitted": stream.blocks_emitted})
+        done = engine_pb2.PluginDone(num_tokens=num_tokens, blocks_emitted=stream.blocks_emitted)
+        self._send(stream, self._frame(stream, done=done))
         self._send(stream, None)  # then close
 
-    def _fail(self, stream: RequestStream, reason: str, message: str) -> None:
+    def _fail(self, stream: RequestStream, failure: int, message: str) -> None:
         stream.failed = True
         if stream.closed:  # its end is already queued: nothing may follow it
             return
-        logger.warning("pdbridge: request %s failed: %s: %s", stream.params.request_id, reason,
-                       message)
-        self._send(stream, {"type": "error", "request_id": stream.params.request_id,
-                            "reason": reason, "message": message})
+        logger.warning("pdbridge: request %s failed: %s: %s", stream.params.request_id,
+                       engine_pb2.PluginFailure.Name(failure), message)
+        error = engine_pb2.PluginError(failure=failure, message=message)
+        self._send(stream, self._frame(stream, error=error))
         self._send(stream, None)
 
-    def _send(self, stream: RequestStream, header: dict | None, payload=()) -> None:
-        """Queues a message (None: close the stream) for the sender thread; the closing one marks
+    def _frame(self, stream: RequestStream, **frame) -> engine_pb2.PluginFrame:
+        stage, stages = self._stage or (0, 0)
+        return engine_pb2.PluginFrame(request_id=stream.params.request_id, stage=stage, stages=stages, **frame)
+
+    def _send(self, stream: RequestStream, frame: engine_pb2.PluginFrame | None, payload=()) -> None:
+        """Queues a frame (None: close the stream) for the sender thread; the closing one marks
         the stream closed at once, so no later work for it is queued."""
-        if header is None:
+        if frame is None:
             stream.closed = True
-        elif self._stage is not None:
-            header["stage"], header["stages"] = self._stage
-        self._outbox.put((stream, header, payload), sum(len(p) for p in payload))
+        self._outbox.put((stream, frame, payload), sum(len(p) for p in payload))
 
     # ---- sender thread ----------------------------------------------------------------------------
 
@@ -395,17 +397,18 @@ class Streamer:
             try:
                 if item is None:
                     return
-                stream, header, payload = item
-                if header is None:
+                stream, frame, payload = item
+                if frame is None:
                     self._close(stream)
                 elif stream.sock is not False:  # False: its connection failed; drop the rest
-                    if header["type"] == "done":
-                        header["timings_ms"] = {k: round(v, 3) for k, v in stream.ms.items()}
-                    self._write(stream, header, payload)
+                    if frame.HasField("done"):
+                        frame.done.timings.CopyFrom(engine_pb2.PluginTimings(
+                            **{f"{stage}_ms": round(ms, 3) for stage, ms in stream.ms.items()}))
+                    self._write(stream, frame, payload)
             finally:
                 self._outbox.release(nbytes)
 
-    def _write(self, stream: RequestStream, header: dict, payload) -> None:
+    def _write(self, stream: RequestStream, frame: engine_pb2.PluginFrame, payload) -> None:
         with _clock(stream, "send"):
             try:
                 if stream.sock is None:  # lazily: the first message opens the request's connection
@@ -413,7 +416,7 @@ class Streamer:
                     s.settimeout(self._socket_timeout_s)
                     stream.sock = s
                     s.connect(stream.params.socket)
-                protocol.send_message(stream.sock, header, payload)
+                protocol.send_frame(stream.sock, frame, payload)
             except OSError as e:
                 # Nowhere left to report it; prefilld sees the connection fail or never open.
                 logger.error("pdbridge: socket %s for %s: %s", stream.params.socket,

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from pdbridge_testkit.decoder import decoder_bundle
 from pdbridge_testkit.prefill import Receiver, VllmServer, prompt_tokens
+from pdbridge_testkit.prefill import timings as timings_of
 
 B = 128
 
@@ -61,12 +62,12 @@ def main():
                         srv.complete(toks, {"pdbridge": p})
                         t_http = time.perf_counter() - t0
                         msgs = rx.wait_final(rid)
-                        assert msgs[-1][1]["type"] == "done", msgs[-1][1]
+                        assert msgs[-1][1].HasField("done"), msgs[-1][1]
                         if i:
                             http.append(t_http)
                             first.append(msgs[0][0] - t0)
                             done.append(msgs[-1][0] - t0)
-                            timings = msgs[-1][1]["timings_ms"]
+                            timings = timings_of(msgs[-1][1])
                     row.update(bridged_prefill_s=statistics.median(http),
                                first_block_s=statistics.median(first),
                                done_s=statistics.median(done), timings_ms=timings)

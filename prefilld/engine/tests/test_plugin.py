@@ -36,9 +36,11 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from pdbridge_cache.proto import bridge_pb2, engine_pb2
 from pdbridge_testkit import NUM_LAYERS
 from pdbridge_testkit.decoder import decoder_bundle, decoder_native_cache
-from pdbridge_testkit.prefill import Receiver, VllmServer, prompt_tokens
+from pdbridge_testkit.prefill import Receiver, VllmServer, kind, prompt_tokens, timings
+from pdbridge_vllm import protocol
 
 T = 600  # prompt tokens: 4 full blocks of 128 + a partial one
 B = 128
@@ -64,12 +66,12 @@ def compare(got: np.ndarray, want: np.ndarray, ref: np.ndarray | None = None) ->
             "rel_l2": float(np.linalg.norm(diff) / norm) if norm else 0.0}
 
 
-def tensors_of(header: dict, payload: bytes) -> dict[tuple[int, str], np.ndarray]:
+def tensors_of(frame, payload: bytes) -> dict[tuple[int, str], np.ndarray]:
     out = {}
-    for t in header["tensors"]:
-        assert t["dtype"] == "F32"
-        arr = np.frombuffer(payload, dtype="<f4", count=t["nbytes"] // 4, offset=t["offset"])
-        out[(t["layer"], t["name"])] = arr.reshape(t["shape"])
+    for t in frame.block.tensors:
+        assert t.dtype == bridge_pb2.DTYPE_F32
+        arr = np.frombuffer(payload, dtype="<f4", count=t.nbytes // 4, offset=t.offset)
+        out[(t.layer, t.name)] = arr.reshape(tuple(t.shape))
     return out
 
 
@@ -96,7 +98,7 @@ def unique_id(name: str) -> str:
 
 @dataclass
 class Bridged:
-    """One bridged request: its id, the messages up to its done/error, POST time, HTTP reply time
+    """One bridged request: its id, the frames up to its done/error, POST time, HTTP reply time
     and the HTTP reply."""
     request_id: str
     msgs: list
@@ -105,12 +107,12 @@ class Bridged:
     reply: dict
 
     @property
-    def final(self) -> dict:
+    def final(self) -> engine_pb2.PluginFrame:
         return self.msgs[-1][1]
 
     @property
     def kinds(self) -> list[str]:
-        return [h["type"] for _, h, _ in self.msgs]
+        return [kind(h) for _, h, _ in self.msgs]
 
 
 class ReconstructionTest(unittest.TestCase):
@@ -158,10 +160,10 @@ class ReconstructionTest(unittest.TestCase):
         for b in range(T // B):
             hidden = FX.native_hidden[b * B:(b + 1) * B]
             headers, parts = reconstruct.wire(reconstruct.layer_inputs(path, hidden))
-            self.assertEqual([(h["layer"], h["name"], h["dtype"], h["shape"]) for h in headers],
-                             [(layer, "input", "F32", [B, path.hidden_size]) for layer in path.layers])
+            self.assertEqual([(h.layer, h.name, h.dtype, list(h.shape)) for h in headers],
+                             [(layer, "input", bridge_pb2.DTYPE_F32, [B, path.hidden_size]) for layer in path.layers])
             payload = b"".join(map(bytes, parts))
-            sent = np.stack([np.frombuffer(payload[h["offset"]:h["offset"] + h["nbytes"]], dtype="<f4").reshape(B, -1)
+            sent = np.stack([np.frombuffer(payload[h.offset:h.offset + h.nbytes], dtype="<f4").reshape(B, -1)
                              for h in headers], axis=1)
             on_decoder = reconstruct.wire(path.block(sent, b * B))
             in_plugin = reconstruct.wire(reconstruct.block(path, hidden, b * B))
@@ -211,28 +213,28 @@ class BridgeCase(unittest.TestCase):
         finally:
             server.stop()
         print(f"[{r.request_id}] POST→done {r.msgs[-1][0] - r.t0:.2f} s; "
-              f"timings {r.final.get('timings_ms')}")
+              f"timings {timings(r.final)}")
         return r
 
     def assert_done(self, r: Bridged, num_blocks: int = T // B):
-        self.assertEqual(r.final["type"], "done", r.final)
-        self.assertEqual(r.final["num_tokens"], T)
-        self.assertEqual(r.final["blocks_emitted"], num_blocks)
+        self.assertEqual(kind(r.final), "done", r.final)
+        self.assertEqual(r.final.done.num_tokens, T)
+        self.assertEqual(r.final.done.blocks_emitted, num_blocks)
 
     def check_blocks(self, msgs, first_block: int, num_blocks: int, label: str,
                      per_layer: bool = False, bound: float = REL_BOUND,
-                     metric: str = "max_rel") -> dict[int, tuple[dict, bytes]]:
+                     metric: str = "max_rel") -> dict[int, tuple[engine_pb2.PluginFrame, bytes]]:
         """Every tensor vs the decoder's native cache; prints a summary (and a per-layer table).
-        Returns block index -> (header, payload)."""
-        blocks = [(h, p) for _, h, p in msgs if h["type"] == "block"]
-        self.assertEqual([h["block_index"] for h, _ in blocks],
+        Returns block index -> (frame, payload)."""
+        blocks = [(h, p) for _, h, p in msgs if kind(h) == "block"]
+        self.assertEqual([h.block.index for h, _ in blocks],
                          list(range(first_block, first_block + num_blocks)))
         stats: dict[tuple[int, str], list[dict]] = {}
         for h, payload in blocks:
-            self.assertEqual(h["payload_bytes"], len(payload))
+            self.assertEqual(h.block.payload_bytes, len(payload))
             got = tensors_of(h, payload)
             self.assertEqual(sorted({k[0] for k in got}), list(range(NUM_LAYERS)))
-            b = h["block_index"]
+            b = h.block.index
             for (layer, name), arr in got.items():
                 self.assertEqual(list(arr.shape), [1, 3, B, 64])
                 ref = FX.native[layer][0 if name == "keys" else 1][:, :, b * B:(b + 1) * B, :]
@@ -257,7 +259,7 @@ class BridgeCase(unittest.TestCase):
                                 f"{np.mean([c['frac_exact'] for c in cs]):.3f}, "
                                 f"{max(c['max_rel'] for c in cs):.2e}")
                 print(f"{layer:5d} | {cols[0]:>30} | {cols[1]:>30}")
-        return {h["block_index"]: (h, p) for h, p in blocks}
+        return {h.block.index: (h, p) for h, p in blocks}
 
 
 class ChunkedServerTest(BridgeCase):
@@ -277,9 +279,9 @@ class ChunkedServerTest(BridgeCase):
         self.assert_done(r)
         self.check_blocks(r.msgs, 0, T // B, f"req-a, chunk {CHUNK}", per_layer=True)
         self.assertEqual(r.reply["kv_transfer_params"]["pdbridge"]["prefill_complete"], True)
-        arrivals = [f"{h['type']}{h.get('block_index', '')}@{ts - r.t0:.2f}" for ts, h, _ in r.msgs]
+        arrivals = [f"{kind(h)}{h.block.index if kind(h) == 'block' else ''}@{ts - r.t0:.2f}" for ts, h, _ in r.msgs]
         print(f"[req-a] POST→HTTP reply {r.t_reply - r.t0:.2f} s; POST→done {r.msgs[-1][0] - r.t0:.2f} s; "
-              f"arrivals {arrivals}; plugin timings {r.final['timings_ms']}")
+              f"arrivals {arrivals}; plugin timings {timings(r.final)}")
 
     def test_second_request_other_range(self):
         """After a whole-prompt request, a different block range (RoPE offsets != 0 first) on the
@@ -314,11 +316,11 @@ class ChunkedServerTest(BridgeCase):
         # Blocks past the prompt: refused up front.
         r = self.bridge(self.server, "req-short", first_block=3, num_blocks=2)
         self.assertEqual(r.kinds, ["error"])
-        self.assertEqual(r.final["reason"], "prompt_too_short")
+        self.assertEqual(r.final.error.failure, protocol.PROMPT_TOO_SHORT)
         # Wrong bundle checksum: no blocks, one error.
         r = self.bridge(self.server, "req-sha", bundle_sha256="ff" * 32)
         self.assertEqual(r.kinds, ["error"])
-        self.assertEqual(r.final["reason"], "bundle_mismatch")
+        self.assertEqual(r.final.error.failure, protocol.BUNDLE_MISMATCH)
         # The engine is still healthy and bridges afterwards.
         r = self.bridge(self.server, "req-after", num_blocks=1)
         self.assertEqual(r.kinds, ["block", "done"])
@@ -331,9 +333,9 @@ class ChunkedServerTest(BridgeCase):
         with self.assertRaises((TimeoutError, OSError)):
             self.server.complete(tokens, self.params(rid, num_blocks=2048 // B), timeout=0.5)
         msgs = self.rx.wait_final(rid, timeout=120)
-        kinds = [h["type"] for _, h, _ in msgs]
+        kinds = [kind(h) for _, h, _ in msgs]
         print(f"\n[req-abort] {kinds[:-1].count('block')} blocks, then {msgs[-1][1]}")
-        self.assertEqual(msgs[-1][1]["reason"], "aborted")
+        self.assertEqual(msgs[-1][1].error.failure, protocol.ABORTED)
         self.assertLess(kinds.count("block"), 2048 // B)
         r = self.bridge(self.server, "req-after-abort", num_blocks=1)
         self.assertEqual(r.kinds, ["block", "done"])
@@ -389,17 +391,17 @@ class PipelineTest(BridgeCase):
         self.assertEqual(len(server.complete(FX.tokens)["choices"]), 1, "a plain request")
         r = self.bridge(server, "req-pp2", streams=2)
         server.stop()
-        dones = {h["stage"]: h for _, h, _ in r.msgs if h["type"] == "done"}
+        dones = {h.stage: h for _, h, _ in r.msgs if kind(h) == "done"}
         self.assertEqual(sorted(dones), [0, 1], r.kinds)
-        parts: dict[int, dict[int, tuple[dict, bytes]]] = {}
+        parts: dict[int, dict[int, tuple[engine_pb2.PluginFrame, bytes]]] = {}
         for _, h, payload in r.msgs:
-            self.assertEqual(h.get("stages"), 2, h)
-            if h["type"] == "block":
-                self.assertNotIn(h["stage"], parts.setdefault(h["block_index"], {}), "a part sent twice")
-                parts[h["block_index"]][h["stage"]] = (h, payload)
+            self.assertEqual(h.stages, 2, h)
+            if kind(h) == "block":
+                self.assertNotIn(h.stage, parts.setdefault(h.block.index, {}), "a part sent twice")
+                parts[h.block.index][h.stage] = (h, payload)
         for done in dones.values():
-            self.assertEqual((done["num_tokens"], done["blocks_emitted"]), (T, T // B), done)
-        stage_layers = [{t["layer"] for t in parts[0][stage][0]["tensors"]} for stage in (0, 1)]
+            self.assertEqual((done.done.num_tokens, done.done.blocks_emitted), (T, T // B), done)
+        stage_layers = [{t.layer for t in parts[0][stage][0].block.tensors} for stage in (0, 1)]
         self.assertFalse(stage_layers[0] & stage_layers[1])
         self.assertEqual(stage_layers[0] | stage_layers[1], set(range(NUM_LAYERS)))
         assembled = []
@@ -408,14 +410,16 @@ class PipelineTest(BridgeCase):
             tensors, payload = [], b""
             for stage in (0, 1):
                 h, p = parts[b][stage]
-                self.assertEqual({t["layer"] for t in h["tensors"]}, stage_layers[stage])
-                tensors += [{**t, "offset": t["offset"] + len(payload)} for t in h["tensors"]]
+                self.assertEqual({t.layer for t in h.block.tensors}, stage_layers[stage])
+                for t in h.block.tensors:
+                    tensors.append(engine_pb2.PluginTensor(layer=t.layer, name=t.name, dtype=t.dtype, shape=t.shape,
+                                                           offset=t.offset + len(payload), nbytes=t.nbytes))
                 payload += p
-            assembled.append((0.0, {"type": "block", "block_index": b, "tensors": tensors,
-                                    "payload_bytes": len(payload)}, payload))
+            block = engine_pb2.PluginBlock(index=b, tensors=tensors, payload_bytes=len(payload))
+            assembled.append((0.0, engine_pb2.PluginFrame(block=block), payload))
         self.check_blocks(assembled, 0, T // B, "pp2")
         print(f"[pp2] stages' layers {[sorted(s) for s in stage_layers]}; timings "
-              f"{[dones[s]['timings_ms'] for s in (0, 1)]}")
+              f"{[timings(dones[s]) for s in (0, 1)]}")
 
 
 if __name__ == "__main__":

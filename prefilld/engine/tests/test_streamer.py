@@ -1,9 +1,11 @@
 """The plugin's streamer without an engine (MLX only): what the step loop queues leaves on the
 request's socket in order, as the blocks the decoder's cache path computes, with every stage's time
-in `done`; a request whose socket fails drops its remaining work while others go on."""
+in `done`; a request whose socket fails drops its remaining work while others go on; the frames
+are proto/engine.proto's."""
 
 from __future__ import annotations
 
+import io
 import socket
 import tempfile
 import threading
@@ -14,14 +16,18 @@ import mlx.core as mx
 import numpy as np
 import torch
 
+from google.protobuf import json_format
+from pdbridge_cache.proto import engine_pb2
 from pdbridge_testkit import REPO
 from pdbridge_testkit.decoder import decoder_bundle
+from pdbridge_testkit.prefill import kind
 from pdbridge_vllm import handoff, protocol, reconstruct
 from pdbridge_vllm.streamer import STAGES, BridgeParams, RequestStream, Streamer
 
 B = 16  # tokens per block
 # What is under test is the threads and queues, not a model: the smallest generated one.
 MODEL = REPO / "models" / "tiny-llama3-mlx"
+GOLDEN = REPO / "proto" / "golden"
 
 
 class Listener:
@@ -40,7 +46,7 @@ class Listener:
         messages = []
         self.connections.append(messages)
         with conn, conn.makefile("rb") as f:
-            while (msg := protocol.read_message(f)) is not None:
+            while (msg := protocol.read_frame(f)) is not None:
                 messages.append(msg)
 
     def wait(self) -> list:
@@ -86,17 +92,17 @@ class StreamerTest(unittest.TestCase):
         streamer.submit_done(stream, 4 * B)
         messages = listener.wait()
         streamer.close()
-        self.assertEqual([h["type"] for h, _ in messages], ["block"] * 4 + ["done"])
-        self.assertEqual([h["block_index"] for h, _ in messages[:4]], [0, 1, 2, 3])
-        for k, (header, payload) in enumerate(messages[:4]):
+        self.assertEqual([kind(h) for h, _ in messages], ["block"] * 4 + ["done"])
+        self.assertEqual([h.block.index for h, _ in messages[:4]], [0, 1, 2, 3])
+        for k, (frame, payload) in enumerate(messages[:4]):
             want_headers, want_parts = reconstruct.wire(reconstruct.block(self.path, self.hidden[k * B:(k + 1) * B], k * B))
-            self.assertEqual(header["tensors"], want_headers, f"block {k}")
+            self.assertEqual(list(frame.block.tensors), want_headers, f"block {k}")
+            self.assertEqual(frame.block.payload_bytes, len(payload), f"block {k}")
             self.assertEqual(payload, b"".join(map(bytes, want_parts)), f"block {k}")
-        done = messages[-1][0]
-        self.assertEqual((done["num_tokens"], done["blocks_emitted"]), (4 * B, 4))
-        self.assertEqual(set(done["timings_ms"]), set(STAGES))
+        done = messages[-1][0].done
+        self.assertEqual((done.num_tokens, done.blocks_emitted), (4 * B, 4))
         for stage in ("to_mlx", "reconstruct", "to_host", "send"):
-            self.assertGreater(done["timings_ms"][stage], 0, stage)
+            self.assertGreater(getattr(done.timings, f"{stage}_ms"), 0, stage)
 
     def test_a_failed_socket_drops_its_request_and_the_next_one_is_served(self):
         streamer = Streamer(self.layers)
@@ -108,7 +114,7 @@ class StreamerTest(unittest.TestCase):
         messages = listener.wait()
         streamer.close()
         self.assertTrue(lost.failed and lost.closed)
-        self.assertEqual([h["type"] for h, _ in messages], ["block", "done"])
+        self.assertEqual([kind(h) for h, _ in messages], ["block", "done"])
 
     def test_a_bad_bundle_is_told_as_an_error_and_ends_the_stream(self):
         streamer = Streamer(self.layers)
@@ -118,7 +124,30 @@ class StreamerTest(unittest.TestCase):
         self.submit_whole(streamer, stream, 1)
         messages = listener.wait()
         streamer.close()
-        self.assertEqual([(h["type"], h.get("reason")) for h, _ in messages], [("error", protocol.BUNDLE_MISMATCH)])
+        self.assertEqual([(kind(h), h.error.failure) for h, _ in messages], [("error", protocol.BUNDLE_MISMATCH)])
+
+
+class FrameTest(unittest.TestCase):
+    def test_every_stage_the_streamer_times_is_a_field_of_the_done_frame(self):
+        fields = [f.name for f in engine_pb2.PluginTimings.DESCRIPTOR.fields]
+        self.assertEqual(fields, [f"{stage}_ms" for stage in STAGES])
+
+    def test_the_golden_frames_survive_the_wire(self):
+        """proto/golden's frames, which prefilld's reader is held to as well, written as the
+        plugin writes them and read back: the same frames, a block's payload after it."""
+        stream = io.BytesIO()
+        sent = []
+        for name in ("PluginFrame.json", "PluginFrame.done.json", "PluginFrame.error.json"):
+            frame = json_format.Parse((GOLDEN / name).read_text(), engine_pb2.PluginFrame())
+            payload = bytes(range(256)) * (frame.block.payload_bytes // 256)
+            stream.write(protocol.encode_header(frame) + payload)
+            sent.append((frame, payload))
+        stream.seek(0)
+        got = []
+        while (frame := protocol.read_frame(stream)) is not None:
+            got.append(frame)
+        self.assertEqual(got, sent)
+        self.assertEqual([kind(f) for f, _ in got], ["block", "done", "error"])
 
 
 class HandoffTest(unittest.TestCase):
