@@ -127,15 +127,16 @@ def own_bytes(engine, kind: str) -> int:
                for layer in engine.spec["layers"] if layer["kind"] == kind for t in layer["tensors"])
 
 
-def store_blocks(store: Path) -> dict[tuple[str, str], str]:
+def store_blocks(store: Path) -> dict[tuple[str, tuple[int, ...]], str]:
     """Every block file of a run's store by (parent key, token ids), from the files' metadata."""
+    from pdbridge_cache import blockfile
     from safetensors import safe_open
 
     out = {}
     for path in (store / "blocks").rglob("*.safetensors"):
         with safe_open(str(path), "numpy") as f:
-            meta = f.metadata()
-        out[(meta["pdb_parent"], meta["pdb_token_ids"])] = str(path)
+            block = blockfile.read(f.metadata())
+        out[(block.parent, tuple(block.token_ids))] = str(path)
     return out
 
 
@@ -144,7 +145,7 @@ def chain(blocks: dict, tokens: list[int], per_block: bool) -> list[str]:
     recurrent state or pools, the blocks of all but the last token, as the store keeps them)."""
     parent, paths = "00" * 32, []
     for i in range((len(tokens) - per_block) // BLOCK_TOKENS):
-        ids = ",".join(map(str, tokens[i * BLOCK_TOKENS:(i + 1) * BLOCK_TOKENS]))
+        ids = tuple(tokens[i * BLOCK_TOKENS:(i + 1) * BLOCK_TOKENS])
         path = blocks.get((parent, ids))
         if path is None:
             break

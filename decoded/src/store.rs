@@ -1,9 +1,10 @@
 //! The prefix store: content-addressed cache blocks on disk.
 //!
 //! One safetensors file per block holds every layer's cache tensors for its
-//! tokens, in the decoder's dtype and layout (`"{layer}.{tensor}"`), plus
-//! metadata naming its key, its parent's key, the spec fingerprint and its
-//! token ids, so every file can prove its own name. A block becomes visible
+//! tokens, in the decoder's dtype and layout (`"{layer}.{tensor}"`), plus its
+//! `BlockMetadata` (proto/engine.proto: its key, its parent's key, the spec
+//! fingerprint, its token ids and the digest of its bytes), so every file can
+//! prove its own name. A block becomes visible
 //! only after it is written to a temp name, fsynced and renamed; the index is
 //! rebuilt from disk at start and files that disagree with their names are
 //! moved to `quarantine/`, never served. Eviction is LRU within a byte budget;
@@ -24,17 +25,15 @@ use std::{
 use bytes::Bytes;
 use pdbridge_common::{
     block::{self, BlockKey},
-    proto::Dtype,
+    proto::{Dtype, engine::BlockMetadata},
 };
 use safetensors::{Dtype as StDtype, tensor::Metadata};
 use sha2::{Digest, Sha256};
 
-/// Format tag in every block file's metadata.
-pub const BLOCK_FORMAT: &str = "pdbridge-block-v1";
-/// Metadata key of the SHA-256 (hex) of the block's tensor bytes, taken
-/// tensor by tensor in name order: whoever reads the data can tell bit rot
-/// from a block (the adapter checks it before restoring).
-pub const DATA_SHA256: &str = "pdb_data_sha256";
+/// Format tag in every block file's metadata (its "format").
+pub const BLOCK_FORMAT: &str = "pdbridge-block-v2";
+/// The metadata key holding the file's `BlockMetadata` in proto3 JSON.
+const METADATA_KEY: &str = "pdbridge";
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -68,30 +67,33 @@ impl BlockIdentity {
         block::chain(&self.spec_fingerprint, &self.parent, &self.token_ids) == self.key
     }
 
-    fn to_metadata(&self) -> HashMap<String, String> {
-        let ids: Vec<String> = self.token_ids.iter().map(u32::to_string).collect();
-        HashMap::from([
-            ("format".to_owned(), BLOCK_FORMAT.to_owned()),
-            ("pdb_key".to_owned(), self.key.to_hex()),
-            ("pdb_parent".to_owned(), self.parent.to_hex()),
-            ("pdb_spec".to_owned(), self.spec_fingerprint.clone()),
-            ("pdb_block".to_owned(), self.index.to_string()),
-            ("pdb_tokens".to_owned(), self.token_ids.len().to_string()),
-            ("pdb_token_ids".to_owned(), ids.join(",")),
-        ])
+    /// The file's metadata; `data_sha256`: the digest of its tensors' bytes, taken tensor by tensor
+    /// in name order, so whoever reads the data can tell bit rot from a block (the adapter checks
+    /// it before restoring).
+    fn to_metadata(&self, data_sha256: String) -> HashMap<String, String> {
+        let block = BlockMetadata {
+            index: self.index,
+            token_ids: self.token_ids.clone(),
+            spec_fingerprint: self.spec_fingerprint.clone(),
+            key: self.key.to_hex(),
+            parent: self.parent.to_hex(),
+            data_sha256,
+        };
+        let json = serde_json::to_string(&block).expect("a BlockMetadata prints as JSON");
+        HashMap::from([("format".to_owned(), BLOCK_FORMAT.to_owned()), (METADATA_KEY.to_owned(), json)])
     }
 
     fn from_metadata(md: &HashMap<String, String>) -> Option<Self> {
         if md.get("format")? != BLOCK_FORMAT {
             return None;
         }
-        let token_ids = md.get("pdb_token_ids")?.split(',').map(str::parse).collect::<Result<Vec<u32>, _>>().ok()?;
+        let block: BlockMetadata = serde_json::from_str(md.get(METADATA_KEY)?).ok()?;
         Some(BlockIdentity {
-            key: BlockKey::from_hex(md.get("pdb_key")?)?,
-            parent: BlockKey::from_hex(md.get("pdb_parent")?)?,
-            spec_fingerprint: md.get("pdb_spec")?.clone(),
-            index: md.get("pdb_block")?.parse().ok()?,
-            token_ids,
+            key: BlockKey::from_hex(&block.key)?,
+            parent: BlockKey::from_hex(&block.parent)?,
+            spec_fingerprint: block.spec_fingerprint,
+            index: block.index,
+            token_ids: block.token_ids,
         })
     }
 }
@@ -426,8 +428,7 @@ impl Store {
     fn serialize_to_temp(&self, identity: &BlockIdentity, tensors: &[BlockTensor]) -> Result<TempFile, StoreError> {
         let key = identity.key;
         let tmp = self.temp_file(&key, "partial");
-        let mut metadata = identity.to_metadata();
-        metadata.insert(DATA_SHA256.to_owned(), data_digest(tensors));
+        let metadata = identity.to_metadata(data_digest(tensors));
         safetensors::serialize_to_file(tensors.iter().map(|t| (t.name.as_str(), t)), Some(metadata), tmp.path())
             .map_err(|err| match err {
                 safetensors::SafeTensorError::IoError(e) if no_space(&e) => StoreError::NoSpace { key },
@@ -529,7 +530,7 @@ impl Store {
     }
 }
 
-/// See [`DATA_SHA256`].
+/// `BlockMetadata.data_sha256` of these tensors.
 fn data_digest(tensors: &[BlockTensor]) -> String {
     let mut by_name: Vec<&BlockTensor> = tensors.iter().collect();
     by_name.sort_by(|a, b| a.name.cmp(&b.name));
@@ -891,6 +892,26 @@ mod tests {
         assert!(store.contains(&b0.key));
     }
 
+    /// proto/golden/BlockMetadata.json, as the adapter writes it into an exported file, reads as
+    /// the identity it names; a file of the old format or another metadata key reads as none.
+    #[test]
+    fn block_metadata_is_the_schemas() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../proto/golden/BlockMetadata.json");
+        let golden = fs::read_to_string(path).unwrap();
+        let block: BlockMetadata = serde_json::from_str(&golden).unwrap();
+        let md = HashMap::from([("format".to_owned(), BLOCK_FORMAT.to_owned()), (METADATA_KEY.to_owned(), golden)]);
+        let identity = BlockIdentity::from_metadata(&md).unwrap();
+        assert_eq!((identity.key.to_hex(), identity.parent.to_hex()), (block.key.clone(), block.parent.clone()));
+        assert_eq!((identity.index, &identity.token_ids), (block.index, &block.token_ids));
+        assert_eq!(
+            identity.to_metadata(block.data_sha256.clone())[METADATA_KEY],
+            serde_json::to_string(&block).unwrap()
+        );
+        let old =
+            HashMap::from([("format".to_owned(), "pdbridge-block-v1".to_owned()), ("pdb_key".to_owned(), block.key)]);
+        assert_eq!(BlockIdentity::from_metadata(&old), None);
+    }
+
     #[test]
     fn block_files_carry_the_digest_of_their_tensor_bytes() {
         let dir = temp_dir("digest");
@@ -899,7 +920,8 @@ mod tests {
         store.commit(&b0, &t0).unwrap();
         let data = fs::read(store.path_of(&b0.key)).unwrap();
         let (_, header) = safetensors::SafeTensors::read_metadata(&data).unwrap();
-        let recorded = header.metadata().as_ref().unwrap()[DATA_SHA256].clone();
+        let block: BlockMetadata = serde_json::from_str(&header.metadata().as_ref().unwrap()[METADATA_KEY]).unwrap();
+        let recorded = block.data_sha256;
         let file = safetensors::SafeTensors::deserialize(&data).unwrap();
         let mut names = file.names();
         names.sort();

@@ -31,11 +31,8 @@ PROTO_DTYPES = {name: f"DTYPE_{name}" for name in SAFETENSORS_DTYPES}
 # The token axis of every mlx-lm attention cache tensor: [batch, heads, tokens, width].
 TOKEN_AXIS = 2
 
-# Block files (decoded's store, the adapter's export and restore): safetensors, "{layer}.{tensor}".
-BLOCK_FORMAT = "pdbridge-block-v1"  # metadata "format"
-# Block metadata: SHA-256 of the tensors' bytes, tensor by tensor in name order.
-DATA_SHA256 = "pdb_data_sha256"
-# Parent key of block 0 (`BlockKey::ROOT` in decoded's store).
+# Parent key of block 0 (`BlockKey::ROOT` in decoded's store); block files' metadata is
+# `pdbridge_cache.blockfile`'s.
 ROOT_KEY = "00" * 32
 
 # The reconstruction bundle: the decoder's parameters its cache path depends on.

@@ -63,8 +63,8 @@ or a recurrent layer's state after the block, "{layer}.state0", "{layer}.state1"
 or a pooled layer's (DeepSeek-V4.1) window after the block and the groups it closed,
 packed: "{layer}.window" (mxfp8), "{layer}.compress_kv" (nvfp4), "{layer}.index_k"
 (mxfp4), each with its "_scales";
-metadata format="pdbridge-block-v1", pdb_block, pdb_tokens, pdb_spec, pdb_key
-(+ pdb_parent, pdb_token_ids as decoded's store writes them).
+metadata {"format": "pdbridge-block-v2", "pdbridge": a BlockMetadata's proto3 JSON}
+(proto/engine.proto; pdbridge_cache.blockfile reads and writes it).
 
 Model work runs on one thread (MLX is not thread-safe). Generations share it as
 one continuous batch of up to --max-batch (mlx-lm's BatchGenerator; a request's

@@ -26,6 +26,7 @@ import unittest
 from pathlib import Path
 
 from google.protobuf import json_format
+from pdbridge_cache import blockfile
 from pdbridge_cache.proto import engine_pb2
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -328,10 +329,10 @@ class AdapterTest(unittest.TestCase):
                          [f"block-{i:06}.safetensors" for i in range(len(files))])
         for i, path in enumerate(files):
             arrays, meta = mx.load(path, return_metadata=True)
-            self.assertEqual(meta["format"], "pdbridge-block-v1")
-            self.assertEqual((meta["pdb_block"], meta["pdb_tokens"], meta["pdb_spec"], meta["pdb_key"]),
-                             (str(i), str(BLOCK), "", ""))
-            self.assertEqual(meta["pdb_token_ids"], ",".join(map(str, self.tokens[i * BLOCK:(i + 1) * BLOCK])))
+            block = blockfile.read(meta)
+            self.assertEqual((block.index, block.spec_fingerprint, block.key), (i, "", ""))
+            self.assertEqual(list(block.token_ids), self.tokens[i * BLOCK:(i + 1) * BLOCK])
+            self.assertEqual(block.data_sha256, blockfile.data_sha256(arrays))
             names = set()
             for layer in self.info["spec"]["layers"]:
                 for t in layer["tensors"]:
@@ -352,15 +353,15 @@ class AdapterTest(unittest.TestCase):
         import mlx.core as mx
 
         for i, path in enumerate(reply["files"]):
-            _, meta = mx.load(path, return_metadata=True)
-            self.assertEqual((meta["pdb_spec"], meta["pdb_key"], meta["pdb_parent"]),
+            block = blockfile.read(mx.load(path, return_metadata=True)[1])
+            self.assertEqual((block.spec_fingerprint, block.key, block.parent),
                              (spec_fp, keys[i], keys[i - 1] if i else "00" * 32))
         # A request naming the same spec accepts them; another spec is refused.
         _, done = self.generate(self.tokens, reply["files"], spec_fingerprint=spec_fp, max_tokens=1)
         self.assertEqual(done["cached_tokens"], 2 * BLOCK)
         lines = self.adapter.request({"op": "generate", "tokens": self.tokens, "blocks": reply["files"],
                                       "spec_fingerprint": "cd" * 32, "max_tokens": 1})
-        self.assert_bad_request(lines, "pdb_spec")
+        self.assert_bad_request(lines, "spec_fingerprint")
 
     # ------------------------------------------------- refusals (no model work)
 
@@ -370,7 +371,9 @@ class AdapterTest(unittest.TestCase):
         import mlx.core as mx
 
         arrays, meta = mx.load(self.export["files"][0], return_metadata=True)
-        meta.pop("pdb_data_sha256")
+        block = blockfile.read(meta)
+        block.ClearField("data_sha256")
+        meta = blockfile.metadata(block)
         change(arrays)
         path = os.path.join(self.tmp.name, f"{name}.safetensors")
         mx.save_safetensors(path, arrays, metadata=meta)
@@ -397,7 +400,7 @@ class AdapterTest(unittest.TestCase):
     def test_refuses_blocks_out_of_order_or_for_other_tokens(self):
         files = self.export["files"]
         lines = self.adapter.request({"op": "generate", "tokens": self.tokens, "blocks": [files[1], files[0]]})
-        self.assert_bad_request(lines, "pdb_block")
+        self.assert_bad_request(lines, "metadata index=1, expected 0")
         other = [t for t in self.tokens]
         other[3] = (other[3] + 1) % 49152
         lines = self.adapter.request({"op": "generate", "tokens": other, "blocks": files[:1]})
