@@ -26,12 +26,25 @@ if ! command -v systemd-analyze >/dev/null; then
     exit 1
   fi
 fi
-.venv/bin/python scripts/prepare-model.py
-# The generated model families the tests bridge (seconds each, idempotent).
-for family in llama3 qwen3 gemma3 deepseek_v3 gpt_oss qwen3_next deepseek_v41; do
-  .venv/bin/python scripts/make-tiny-model.py --family "$family"
-done
+# The models (one core of Python) while the daemons build: the real checkpoint, and the generated
+# families the tests bridge (seconds each); both idempotent.
+models() {
+  .venv/bin/python scripts/prepare-model.py
+  for family in llama3 qwen3 gemma3 deepseek_v3 gpt_oss qwen3_next deepseek_v41; do
+    .venv/bin/python scripts/make-tiny-model.py --family "$family"
+  done
+}
+models_log=$(mktemp)
+models >"$models_log" 2>&1 &
+models_pid=$!
 cargo build --workspace --bins --locked
+if ! wait "$models_pid"; then
+  cat "$models_log" >&2
+  echo "test.sh: preparing the models failed" >&2
+  exit 1
+fi
+cat "$models_log" >&2
+rm -f "$models_log"
 
 # The Python suites named by "folder pattern" pairs (unittest: the engines' environment has no
 # pytest); every one runs, the status says whether all passed.
