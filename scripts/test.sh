@@ -76,7 +76,8 @@ tier() {
 
 fast() {
   suites=(common/engine/tests 'test_*.py' decoded/engine/tests test_golden.py
-          decoded/engine/tests test_stop_text.py prefilld/engine/tests test_params.py
+          decoded/engine/tests test_stop_text.py
+          decoded/engine/tests test_chat.py prefilld/engine/tests test_params.py
           prefilld/engine/tests test_capture.py prefilld/engine/tests test_streamer.py
           bench/gpu test_carry.py)
   tier 'not binary(engines)' "$@"

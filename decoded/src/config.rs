@@ -319,6 +319,10 @@ pub struct FrontConfig {
     pub header_read_timeout: Duration,
     /// Connections one client address may hold open at once; one more is closed on accept.
     pub max_connections_per_peer: usize,
+    /// Special-token text in a chat's messages (and tool definitions) becomes those special
+    /// tokens, as the chat template's own do. Off: it is text, as OpenAI's API reads it, so a
+    /// message cannot write a turn of another role (`<|im_start|>system`).
+    pub allow_special_tokens_in_content: bool,
 }
 
 impl Default for FrontConfig {
@@ -343,6 +347,7 @@ impl Default for FrontConfig {
             request_timeout: Duration::from_secs(900),
             header_read_timeout: Duration::from_secs(10),
             max_connections_per_peer: 128,
+            allow_special_tokens_in_content: false,
         }
     }
 }

@@ -68,6 +68,9 @@ pub enum TokenizeInput<'a> {
         add_generation_prompt: bool,
         /// The request's tool definitions, rendered by the chat template.
         tools: Option<&'a serde_json::Value>,
+        /// Special-token text in the messages and tools is those tokens, not text
+        /// (`front.allow_special_tokens_in_content`).
+        allow_special_tokens: bool,
     },
     Text {
         prompt: &'a str,
@@ -191,20 +194,7 @@ impl Engine {
     /// The decoder's token ids for a chat or a plain prompt.
     pub async fn tokenize(&self, input: TokenizeInput<'_>) -> Result<Vec<u32>, EngineError> {
         self.info()?;
-        let json = |v: &serde_json::Value| v.to_string();
-        let req = match input {
-            TokenizeInput::Chat { messages, add_generation_prompt, tools } => wire::TokenizeRequest {
-                input: Some(wire::tokenize_request::Input::MessagesJson(json(messages))),
-                add_generation_prompt: Some(add_generation_prompt),
-                tools_json: tools.map(json).unwrap_or_default(),
-                chat_template_kwargs_json: String::new(),
-            },
-            TokenizeInput::Text { prompt } => wire::TokenizeRequest {
-                input: Some(wire::tokenize_request::Input::Prompt(prompt.to_owned())),
-                ..Default::default()
-            },
-        };
-        let mut lines = request(self.socket()?, Op::Tokenize(req)).await?;
+        let mut lines = request(self.socket()?, Op::Tokenize(tokenize_request(input))).await?;
         let reply = next_reply(&mut lines, |r| match r {
             Answer::Tokenize(t) => Some(t),
             _ => None,
@@ -325,6 +315,23 @@ async fn next_reply<T>(
 }
 
 /// The adapter's error as decoded handles it: a block it names is the store's to quarantine.
+pub(crate) fn tokenize_request(input: TokenizeInput<'_>) -> wire::TokenizeRequest {
+    let json = |v: &serde_json::Value| v.to_string();
+    match input {
+        TokenizeInput::Chat { messages, add_generation_prompt, tools, allow_special_tokens } => wire::TokenizeRequest {
+            input: Some(wire::tokenize_request::Input::MessagesJson(json(messages))),
+            add_generation_prompt: Some(add_generation_prompt),
+            tools_json: tools.map(json).unwrap_or_default(),
+            chat_template_kwargs_json: String::new(),
+            allow_special_tokens_in_content: allow_special_tokens,
+        },
+        TokenizeInput::Text { prompt } => wire::TokenizeRequest {
+            input: Some(wire::tokenize_request::Input::Prompt(prompt.to_owned())),
+            ..Default::default()
+        },
+    }
+}
+
 fn engine_error(err: wire::Error) -> EngineError {
     match (err.kind(), err.block) {
         (ErrorKind::BadRequest, _) => EngineError::BadRequest(err.message),

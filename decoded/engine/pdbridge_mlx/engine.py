@@ -34,6 +34,7 @@ from pdbridge_cache.layers import CachePath, effective_rope, versions
 from pdbridge_cache.proto import bridge_pb2, engine_pb2
 from pdbridge_cache.safetensors_io import dtype_name, serialize, tensor_bytes, write_atomic
 
+from .chat import ChatTokenizer
 from .errors import BadRequest, BlockUnusable, Cancelled, StartupError
 from .generation import Job, Output, Params, ms, parse_tokens
 
@@ -83,6 +84,7 @@ class Engine:
         # weights stay as they are. On x86 CPU, fp16 is emulated: use float32.
         self.model.set_dtype(dtype)
         mx.eval(self.model.parameters())
+        self.chat = ChatTokenizer(self.tokenizer)
         self.layers = self.model.layers
         self.num_layers = len(self.layers)
         # As mlx-lm's generate_step(kv_bits=...), quantizing from the first token on, so the
@@ -196,7 +198,8 @@ class Engine:
         return self._info
 
     def tokenize(self, req: engine_pb2.TokenizeRequest) -> list[int]:
-        """Exactly what mlx_lm.server would prefill for this request."""
+        """What mlx_lm.server would prefill for this request, but for special-token text in a
+        chat's messages, which is text unless the request allows it (`chat.ChatTokenizer`)."""
         which = req.WhichOneof("input")
         if which == "messages_json":
             messages = _json(req.messages_json, "messages_json")
@@ -209,11 +212,10 @@ class Engine:
             if not isinstance(kwargs, dict):
                 raise BadRequest("chat_template_kwargs_json must be a JSON object")
             tools = _json(req.tools_json, "tools_json")
-            if tools is not None:
-                kwargs["tools"] = tools
             try:
-                tokens = self.tokenizer.apply_chat_template(
-                    messages, add_generation_prompt=add_generation_prompt, tokenize=True, **kwargs
+                tokens = self.chat.tokenize(
+                    messages, tools, allow_special=req.allow_special_tokens_in_content,
+                    add_generation_prompt=add_generation_prompt, **kwargs,
                 )
             except Exception as e:  # template errors are the request's fault
                 raise BadRequest(f"chat template failed: {e}") from e
