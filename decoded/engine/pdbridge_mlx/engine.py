@@ -26,13 +26,13 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 from google.protobuf import json_format
-from pdbridge_cache import kinds
+from pdbridge_cache import blockfile, kinds
 from pdbridge_cache.format import (
-    BLOCK_FORMAT, DATA_SHA256, PER_TOKEN, ROOT_KEY, TOKENIZER_FILES, proto_dtype, safetensors_dtype, tensor_shape,
+    PER_TOKEN, ROOT_KEY, TOKENIZER_FILES, proto_dtype, safetensors_dtype, tensor_shape,
 )
 from pdbridge_cache.layers import CachePath, effective_rope, versions
 from pdbridge_cache.proto import bridge_pb2, engine_pb2
-from pdbridge_cache.safetensors_io import dtype_name, serialize, tensor_bytes, write_atomic
+from pdbridge_cache.safetensors_io import dtype_name, serialize, write_atomic
 
 from .chat import ChatTokenizer
 from .errors import BadRequest, BlockUnusable, Cancelled, StartupError
@@ -328,16 +328,11 @@ class Engine:
                 + [(f"{layer}.{name}", a) for layer, t in state.items() for name, a in t.items()],
                 key=lambda named: int(named[0].split(".")[0]),
             )
-            metadata = {
-                "format": BLOCK_FORMAT,
-                "pdb_block": str(i),
-                "pdb_tokens": str(block_tokens),
-                "pdb_spec": spec_fp,
-                "pdb_key": keys[i] if keys else "",
-                "pdb_parent": (keys[i - 1] if i else ROOT_KEY) if keys else "",
-                "pdb_token_ids": ",".join(map(str, tokens[lo:hi])),
-                DATA_SHA256: _data_sha256(dict(tensors)),
-            }
+            metadata = blockfile.metadata(engine_pb2.BlockMetadata(
+                index=i, token_ids=tokens[lo:hi], spec_fingerprint=spec_fp,
+                key=keys[i] if keys else "", parent=(keys[i - 1] if i else ROOT_KEY) if keys else "",
+                data_sha256=blockfile.data_sha256(dict(tensors)),
+            ))
             path = os.path.join(os.path.abspath(out_dir), f"block-{i:06}.safetensors")
             write_atomic(path, serialize(tensors, metadata))
             files.append(path)
@@ -411,16 +406,18 @@ class Engine:
             arrays, meta = mx.load(path, format="safetensors", return_metadata=True)
         except Exception as e:
             raise BlockUnusable(index, f"{where}: not a readable safetensors file: {e}") from e
-        if (recorded := meta.get(DATA_SHA256)) is not None and recorded != _data_sha256(arrays):
+        try:
+            block = blockfile.read(meta)
+        except ValueError as e:
+            raise BadRequest(f"{where}: {e}") from None
+        if block.data_sha256 and block.data_sha256 != blockfile.data_sha256(arrays):
             raise BlockUnusable(index, f"{where}: tensor bytes fail their checksum")
+        if block.index != index:
+            raise BadRequest(f"{where}: metadata index={block.index}, expected {index}")
+        if spec_fp is not None and block.spec_fingerprint != spec_fp:
+            raise BadRequest(f"{where}: metadata spec_fingerprint={block.spec_fingerprint!r}, expected {spec_fp!r}")
         B = len(block_ids)
-        expect_meta = {"format": BLOCK_FORMAT, "pdb_block": str(index), "pdb_tokens": str(B)}
-        if spec_fp is not None:
-            expect_meta["pdb_spec"] = spec_fp
-        for key, want in expect_meta.items():
-            if meta.get(key) != want:
-                raise BadRequest(f"{where}: metadata {key}={meta.get(key)!r}, expected {want!r}")
-        if "pdb_token_ids" in meta and meta["pdb_token_ids"] != ",".join(map(str, block_ids)):
+        if list(block.token_ids) != list(block_ids):
             start = index * self.block_tokens
             raise BadRequest(f"{where}: holds other tokens than the prompt's tokens {start}..{start + B}")
         expected = {
@@ -451,13 +448,6 @@ def _json(text: str, field: str):
         return json.loads(text)
     except json.JSONDecodeError as e:
         raise BadRequest(f"{field} is not JSON: {e}") from None
-
-
-def _data_sha256(arrays: dict[str, mx.array]) -> str:
-    digest = hashlib.sha256()
-    for name in sorted(arrays):
-        digest.update(tensor_bytes(arrays[name]))
-    return digest.hexdigest()
 
 
 def _dtype_str(dtype: mx.Dtype) -> str:
