@@ -57,7 +57,7 @@ impl TensorSlice {
         if t.offset.checked_add(t.nbytes).is_none_or(|end| end > payload_bytes) {
             return Err(malformed("lies outside the payload"));
         }
-        // Inside a payload whose size was checked against a usize bound: these fit.
+        // Within `payload_bytes`, which is held to a usize bound before any slice of it is taken.
         let (offset, nbytes) = (t.offset as usize, t.nbytes as usize);
         Ok(TensorSlice { layer: t.layer, name: t.name, dtype, shape: t.shape, offset, nbytes })
     }
