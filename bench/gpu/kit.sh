@@ -17,7 +17,9 @@
 #                                   kept in var/gpu-8b/results across calls, copied to $OUT)
 # `start` passes PDB_* variables on to both daemons; DECODED_CONFIG and PREFILLD_CONFIG name other
 # configs, STORE_DIR another store (e.g. on /dev/shm); prefill-box's STREAM_CONNECTIONS prefilld's
-# Push connections (PDB_STREAM__* would reach decoded too, which has no [stream] and refuses it).
+# Push connections (default 4, the CUDA example's: 2026-12-04 on the H200, 2 -> 4 took 128K from
+# 22.1 to 19.2 s and 8 did little more; PDB_STREAM__* would reach decoded too, which has no [stream]
+# and refuses it).
 # Measured on the lent H200 (2026-12-03): the machine's start takes 3-6 of its 30 held minutes and
 # it goes back after 30 s idle, so have every call ready before the first. A call per part ~6-15 s;
 # unpack + start + e2e over 8 prompts 167-241 s; prefill-box bridged at 8K/32K/128K 193 s
@@ -202,7 +204,7 @@ prefill_box() {
     sed -e 's|^model = .*|model = "models/llama8b-hf"|' -e 's|^dtype = .*|dtype = "bfloat16"|' \
       -e 's|^max_model_len = .*|max_model_len = 135168|' -e 's|"--gpu-memory-utilization", "0.5"|"--gpu-memory-utilization", "0.7"|' \
       -e "s|^handoff = .*|handoff = \"$handoff\"|" \
-      -e "s|^deadline_per_1k_tokens = .*|&\nconnections = ${STREAM_CONNECTIONS:-2}|" deploy/examples/prefilld-cuda.toml >"$box/prefilld.toml"
+      -e "s|^connections = .*|connections = ${STREAM_CONNECTIONS:-4}|" deploy/examples/prefilld-cuda.toml >"$box/prefilld.toml"
     setting=$setting-$handoff
     DECODED_CONFIG="$box/decoded.toml" PREFILLD_CONFIG="$box/prefilld.toml" start &&
       PYTHONPATH=bench PYTHONUNBUFFERED=1 timeout "$limit" \
