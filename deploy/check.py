@@ -383,7 +383,7 @@ METRICS = {
     "pdbridge_front_requests_in_flight", "pdbridge_push_streams_in_flight", "pdbridge_prefill_in_flight",
     "pdbridge_grpc_errors_total", "pdbridge_prefill_requests_total", "pdbridge_build_info",
     "pdbridge_insecure_listeners", "pdbridge_front_unauthorized_total", "pdbridge_push_memory_bytes",
-    "pdbridge_push_memory_limit_bytes",
+    "pdbridge_push_memory_limit_bytes", "pdbridge_engine_alive",
 } | {h + "_bucket" for h in HISTOGRAMS}
 LABELS = {"outcome", "reason", "stage", "engine", "service", "code", "daemon", "version", "le", "role"}
 DS_UID = "${DS_PROMETHEUS}"

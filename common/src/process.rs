@@ -24,6 +24,7 @@ pub async fn supervise<F, Fut, E>(
         let outcome = run_once().await;
         on_down();
         metrics::gauge!("pdbridge_engine_up", "engine" => engine).set(0.0);
+        crate::liveness::mark(engine, false);
         if stop.is_cancelled() {
             tracing::info!(engine, "engine stopped");
             return;

@@ -55,6 +55,11 @@ pub fn register_common(engine: &'static str, service: &'static str) {
     metrics::gauge!("pdbridge_engine_up", "engine" => engine).set(0.0);
     metrics::describe_counter!("pdbridge_engine_restarts_total", "Engine child restarts after a crash.");
     metrics::counter!("pdbridge_engine_restarts_total", "engine" => engine).absolute(0);
+    metrics::describe_gauge!(
+        "pdbridge_engine_alive",
+        "1 while the engine is up and answers its liveness probe (engine.liveness); 0 while down or stalled."
+    );
+    crate::liveness::mark(engine, false);
     metrics::describe_counter!("pdbridge_grpc_errors_total", "gRPC calls answered with an error, by status code.");
     metrics::counter!("pdbridge_grpc_errors_total", "service" => service, "code" => "Unavailable").absolute(0);
     metrics::describe_gauge!(

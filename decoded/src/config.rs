@@ -4,6 +4,7 @@ use std::{collections::BTreeMap, net::SocketAddr, path::PathBuf, time::Duration}
 
 use pdbridge_common::{
     config::{ConfigError, LogConfig, ServerConfig, Validate},
+    liveness::LivenessConfig,
     proto::Payload,
     tls::{self, TlsConfig},
 };
@@ -189,10 +190,15 @@ pub struct EngineConfig {
     /// backend, `MLX_*` settings).
     #[serde(default)]
     pub env: BTreeMap<String, String>,
+    /// How the running adapter is probed (its `info`): while it does not answer, decoded is not
+    /// ready.
+    #[serde(default)]
+    pub liveness: LivenessConfig,
 }
 
 impl Validate for EngineConfig {
     fn validate(&self) -> Result<(), ConfigError> {
+        self.liveness.validate()?;
         // What MLX's affine quantization accepts.
         if self.kv_bits.is_some_and(|bits| ![2, 3, 4, 5, 6, 8].contains(&bits)) {
             return Err(ConfigError::invalid("engine.kv_bits", "must be 2, 3, 4, 5, 6 or 8"));
@@ -498,6 +504,21 @@ mod tests {
     }
 
     const SERVER: &str = "[server]\ngrpc_listen = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n";
+
+    #[test]
+    fn engine_liveness_has_defaults_takes_overrides_and_names_a_bad_key() {
+        let engine = "[engine]\nmodel = \"m\"\n";
+        let default = parse(&format!("{SERVER}{engine}"), &[]).unwrap().engine.unwrap().liveness;
+        assert_eq!(
+            (default.interval, default.timeout, default.failures),
+            (Duration::from_secs(2), Duration::from_secs(5), 3)
+        );
+        let set = format!("{SERVER}{engine}[engine.liveness]\ninterval = \"500ms\"\n");
+        let liveness = parse(&set, &[("PDB_ENGINE__LIVENESS__FAILURES", "5")]).unwrap().engine.unwrap().liveness;
+        assert_eq!((liveness.interval, liveness.failures), (Duration::from_millis(500), 5));
+        let zero = parse(&format!("{SERVER}{engine}[engine.liveness]\nfailures = 0\n"), &[]).unwrap_err();
+        assert!(zero.to_string().contains("engine.liveness.failures"), "{zero}");
+    }
 
     #[test]
     fn api_keys_come_from_a_list_a_joined_string_or_a_file_and_never_print() {

@@ -15,7 +15,7 @@ use std::{
 };
 
 use pdbridge_common::{
-    process,
+    liveness, process,
     proto::{
         CacheKind, CacheSpec, Dtype, Extent,
         engine::{self as wire, ErrorKind, reply::Reply as Answer, request::Op},
@@ -437,16 +437,7 @@ async fn run_once(
             return Err(EngineError::Internal(format!("not ready after {:?}", config.start_timeout)));
         }
     }
-    let info = match request(&config.socket, Op::Info(wire::InfoRequest {})).await {
-        Ok(mut lines) => next_reply(&mut lines, |r| match r {
-            Answer::Info(info) => Some(info),
-            _ => None,
-        })
-        .await
-        .and_then(engine_info),
-        Err(e) => Err(e),
-    };
-    let info = match info {
+    let info = match info_reply(&config.socket).await.and_then(engine_info) {
         Ok(info) => info,
         Err(e) => {
             let _ = stop_child(child).await;
@@ -471,13 +462,27 @@ async fn run_once(
     info_tx.send_replace(Some(Arc::new(info)));
     readiness.set(true);
     process::mark_up(ENGINE);
+    let probe = || info_reply(&config.socket);
     tokio::select! {
         _ = stop.cancelled() => stop_child(child).await,
         status = child.wait() => {
             process::kill_group(leader);
             Err(EngineError::Internal(format!("adapter exited: {}", status?)))
         }
+        never = liveness::watch(ENGINE, &config.liveness, probe, |alive| readiness.set(alive)) => match never {},
     }
+}
+
+/// The adapter's `info`: answered from memory on the connection's own thread,
+/// so a model thread busy with a long prefill or generation does not delay it
+/// (MLX lets go of Python's lock while it computes).
+async fn info_reply(socket: &Path) -> Result<wire::InfoReply, EngineError> {
+    let mut lines = request(socket, Op::Info(wire::InfoRequest {})).await?;
+    next_reply(&mut lines, |r| match r {
+        Answer::Info(info) => Some(info),
+        _ => None,
+    })
+    .await
 }
 
 fn spawn(config: &EngineConfig, block_tokens: u32) -> Result<Child, EngineError> {

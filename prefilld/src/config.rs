@@ -4,6 +4,7 @@ use std::{collections::BTreeMap, path::PathBuf, time::Duration};
 
 use pdbridge_common::{
     config::{ConfigError, LogConfig, ServerConfig, Validate},
+    liveness::LivenessConfig,
     tls::{self, TlsConfig},
 };
 use serde::Deserialize;
@@ -122,10 +123,15 @@ pub struct EngineConfig {
     pub start_timeout: Duration,
     #[serde(with = "humantime_serde", default = "default_restart_backoff")]
     pub restart_backoff: Duration,
+    /// How a running vLLM is probed (its `/health`): while it does not answer,
+    /// prefilld is not ready and cuts the bridges in flight.
+    #[serde(default)]
+    pub liveness: LivenessConfig,
 }
 
 impl Validate for EngineConfig {
     fn validate(&self) -> Result<(), ConfigError> {
+        self.liveness.validate()?;
         if !["float32", "bfloat16", "float16"].contains(&self.dtype.as_str()) {
             return Err(ConfigError::invalid("engine.dtype", "must be float32, bfloat16 or float16"));
         }

@@ -8,7 +8,7 @@ use std::{
     time::Duration,
 };
 
-use pdbridge_common::process;
+use pdbridge_common::{liveness, process};
 use serde::Deserialize;
 use tokio::{process::Command, sync::watch};
 use tokio_util::sync::CancellationToken;
@@ -163,6 +163,8 @@ impl Served {
 #[derive(Clone)]
 pub struct Vllm {
     served: watch::Receiver<Option<Served>>,
+    /// True while the running vLLM does not answer its liveness probe.
+    stalled: watch::Receiver<bool>,
     http: reqwest::Client,
     pub profile: ModelProfile,
 }
@@ -175,13 +177,19 @@ pub struct CompletionReply {
 }
 
 impl Vllm {
+    /// Up and answering.
     pub fn is_ready(&self) -> bool {
-        self.served.borrow().is_some()
+        self.served.borrow().is_some() && !*self.stalled.borrow()
     }
 
-    /// A watch that is `Some` while vLLM is ready.
+    /// A watch that is `Some` while vLLM is up.
     pub fn ready_changes(&self) -> watch::Receiver<Option<Served>> {
         self.served.clone()
+    }
+
+    /// A watch that is true while the running vLLM does not answer (`engine.liveness`).
+    pub fn stalled_changes(&self) -> watch::Receiver<bool> {
+        self.stalled.clone()
     }
 
     /// Prefills `tokens` (one output token) with the plugin's per-request
@@ -221,21 +229,25 @@ pub fn supervise(
 ) -> Result<(Vllm, tokio::task::JoinHandle<()>), EngineError> {
     let profile = ModelProfile::read(&config.model)?;
     let (url_tx, url_rx) = watch::channel(None);
-    let vllm = Vllm { served: url_rx, http: reqwest::Client::new(), profile: profile.clone() };
+    let (stalled_tx, stalled_rx) = watch::channel(false);
+    let vllm = Vllm { served: url_rx, stalled: stalled_rx, http: reqwest::Client::new(), profile: profile.clone() };
     let task = tokio::spawn(async move {
         let on_down = || {
             url_tx.send_replace(None);
+            stalled_tx.send_replace(false);
         };
-        let run = || run_once(&config, &profile, &url_tx, &stop);
+        let run = || run_once(&config, &profile, (&url_tx, &stalled_tx), &stop);
         process::supervise(ENGINE, config.restart_backoff, stop.clone(), run, on_down).await;
     });
     Ok((vllm, task))
 }
 
+/// Starts vLLM, waits for its `/health`, then serves (publishing where it
+/// answers, and whether it still does) until it exits or `stop`.
 async fn run_once(
     config: &EngineConfig,
     profile: &ModelProfile,
-    url_tx: &watch::Sender<Option<Served>>,
+    (url_tx, stalled_tx): (&watch::Sender<Option<Served>>, &watch::Sender<bool>),
     stop: &CancellationToken,
 ) -> Result<(), EngineError> {
     let port = match config.port {
@@ -263,7 +275,7 @@ async fn run_once(
             }
             _ = tokio::time::sleep(Duration::from_millis(500)) => {}
         }
-        if http.get(format!("{base}/health")).send().await.is_ok_and(|r| r.status().is_success()) {
+        if health(&http, &base).await.is_ok() {
             break;
         }
         if started.elapsed() > config.start_timeout {
@@ -274,6 +286,10 @@ async fn run_once(
     tracing::info!(url = %base, startup = ?started.elapsed(), "prefill engine ready");
     url_tx.send_replace(Some(served));
     process::mark_up(ENGINE);
+    let probe = || health(&http, &base);
+    let on_change = |alive: bool| {
+        stalled_tx.send_replace(!alive);
+    };
     tokio::select! {
         _ = stop.cancelled() => {
             let _ = process::terminate(&mut child, STOP_GRACE).await;
@@ -283,6 +299,16 @@ async fn run_once(
             process::kill_group(leader);
             Err(EngineError::Failed(format!("vLLM exited: {}", status.map_err(|e| EngineError::Failed(e.to_string()))?)))
         }
+        never = liveness::watch(ENGINE, &config.liveness, probe, on_change) => match never {},
+    }
+}
+
+/// vLLM's `/health`, answered by its HTTP server, not queued behind prefills.
+async fn health(http: &reqwest::Client, base: &str) -> Result<(), String> {
+    let response = http.get(format!("{base}/health")).send().await.map_err(|e| pdbridge_common::error_chain(&e))?;
+    match response.status() {
+        status if status.is_success() => Ok(()),
+        status => Err(format!("/health: HTTP {status}")),
     }
 }
 

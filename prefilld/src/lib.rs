@@ -138,12 +138,12 @@ const DECODER_RECHECK: std::time::Duration = std::time::Duration::from_secs(10);
 /// is met again within this, not after a full recheck period).
 const DECODER_RETRY: std::time::Duration = std::time::Duration::from_secs(1);
 
-/// Ready means: vLLM answers, and the default decoder (if any) has been met
-/// and still publishes the spec prefilld checked.
+/// Ready means: vLLM is up and answers its liveness probe, and the default
+/// decoder (if any) has been met and still publishes the spec prefilld checked.
 async fn track_readiness(bridge: Arc<Bridge>, decoder: Option<String>, readiness: Readiness, stop: CancellationToken) {
-    let mut engine = bridge.vllm.ready_changes();
+    let (mut engine, mut stalled) = (bridge.vllm.ready_changes(), bridge.vllm.stalled_changes());
     loop {
-        let engine_ready = engine.borrow_and_update().is_some();
+        let engine_ready = engine.borrow_and_update().is_some() && !*stalled.borrow_and_update();
         let decoder_ok = match (&decoder, engine_ready) {
             (_, false) => false,
             (None, true) => true,
@@ -160,6 +160,7 @@ async fn track_readiness(bridge: Arc<Bridge>, decoder: Option<String>, readiness
         tokio::select! {
             _ = stop.cancelled() => return,
             _ = engine.changed() => {}
+            _ = stalled.changed() => {}
             _ = tokio::time::sleep(next) => {}
         }
     }

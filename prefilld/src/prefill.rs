@@ -39,6 +39,9 @@ use crate::{
     handshake::{Decoder, Decoders},
 };
 
+/// A bridge's detail when vLLM stopped answering its liveness probe mid-way.
+const STALLED: &str = "the prefill engine stopped answering (engine.liveness)";
+
 /// Longest wait for the plugin's end-of-prefill event once vLLM has answered.
 const END_EVENT_GRACE: Duration = Duration::from_secs(30);
 
@@ -411,6 +414,7 @@ impl<'a> Transfer<'a> {
         plugin: &mut mpsc::Receiver<PluginEvent>,
         events: &mpsc::Sender<PrefillEvent>,
     ) -> Result<u32, Failure> {
+        let mut stalled = self.bridge.vllm.stalled_changes();
         loop {
             let wake_at = self.wake_at();
             let ended = tokio::select! {
@@ -422,6 +426,11 @@ impl<'a> Transfer<'a> {
                 // The caller went away (its deadline passed, its client left): stop
                 // prefilling for nobody; blocks already sent are still sealed.
                 _ = events.closed() => return Err(fail(Reason::Cancelled, "the caller went away")),
+                // A frozen engine sends nothing more: cut now, not at the deadline, so the
+                // caller can go elsewhere (prefilld reports NOT_SERVING meanwhile).
+                Ok(()) = async { stalled.wait_for(|stalled| *stalled).await.map(drop) } => {
+                    return Err(fail(Reason::PrefillUnavailable, STALLED));
+                }
                 _ = tokio::time::sleep_until(wake_at) => return Err(self.timed_out()),
             };
             if let Some(emitted) = ended {

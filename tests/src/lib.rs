@@ -335,6 +335,29 @@ impl Daemon {
     pub fn log_text(&self) -> String {
         self.log.lock().unwrap().join("\n")
     }
+
+    /// Freezes the daemon's engine as a wedged host would leave it: SIGSTOP to the process group
+    /// its one child leads (every process of the engine: vLLM's workers too).
+    pub fn freeze_engine(&self) -> Frozen {
+        let engine = self.children();
+        assert_eq!(engine.len(), 1, "{} runs one engine child: {engine:?}", self.name);
+        // SAFETY: getpgid(2) and kill(2) on our daemon's own engine child and its group.
+        let group = unsafe { libc::getpgid(engine[0]) };
+        assert_eq!(group, engine[0], "the engine leads its own process group");
+        assert_eq!(unsafe { libc::kill(-group, libc::SIGSTOP) }, 0, "SIGSTOP to the engine's group");
+        Frozen(group)
+    }
+}
+
+/// An engine's process group stopped by [`Daemon::freeze_engine`]; continued (SIGCONT) when
+/// dropped, so a failing test never leaves it stopped.
+pub struct Frozen(i32);
+
+impl Drop for Frozen {
+    fn drop(&mut self) {
+        // SAFETY: kill(2) on the group this value stopped.
+        unsafe { libc::kill(-self.0, libc::SIGCONT) };
+    }
 }
 
 impl Drop for Daemon {
@@ -488,6 +511,36 @@ impl Daemon {
                 self.log_text()
             );
             tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+    }
+
+    /// Waits until gRPC health of `service` (asked over `channel`) and `/readyz` both say
+    /// `serving` (SERVING and 200) or both say not (NOT_SERVING and 503), failing after `limit`.
+    pub async fn wait_serving(
+        &self,
+        channel: &tonic::transport::Channel,
+        service: &str,
+        serving: bool,
+        limit: Duration,
+    ) {
+        use tonic_health::pb::{HealthCheckRequest, health_check_response::ServingStatus, health_client::HealthClient};
+        let (want, want_readyz) =
+            if serving { (ServingStatus::Serving, 200) } else { (ServingStatus::NotServing, 503) };
+        let deadline = tokio::time::Instant::now() + limit;
+        loop {
+            let mut client = HealthClient::new(channel.clone());
+            let grpc =
+                client.check(HealthCheckRequest { service: service.into() }).await.map(|r| r.into_inner().status());
+            let readyz = reqwest::get(self.admin_url("/readyz")).await.map(|r| r.status().as_u16());
+            if grpc.as_ref().is_ok_and(|s| *s == want) && readyz.as_ref().is_ok_and(|c| *c == want_readyz) {
+                return;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "{}: health {grpc:?} and /readyz {readyz:?}, not {want:?} and {want_readyz}, after {limit:?}",
+                self.name
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
         }
     }
 

@@ -191,7 +191,12 @@ class Handler:
                 req = _read_request(conn)
                 op = req.WhichOneof("op") or "?"
                 summary = self._dispatch(op, getattr(req, op) if op != "?" else None, conn, received)
-                log.info("op=%s ok %sms=%.1f", op, summary, (time.perf_counter() - received) * 1000)
+                # decoded probes `info` every few seconds (engine.liveness): not worth a line each.
+                level = logging.DEBUG if op == "info" else logging.INFO
+                log.log(level, "op=%s ok %sms=%.1f", op, summary, (time.perf_counter() - received) * 1000)
+            except (BrokenPipeError, ConnectionResetError) as e:
+                # A client that gave up waiting, e.g. a liveness probe queued while we were stopped.
+                log.info("op=%s: the client left: %s", op, e)
             except BadRequest as e:
                 log.warning("op=%s bad_request: %s", op, e)
                 self._send_error(conn, engine_pb2.Error(message=str(e), kind=engine_pb2.ERROR_KIND_BAD_REQUEST))

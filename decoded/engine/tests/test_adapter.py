@@ -319,6 +319,23 @@ class AdapterTest(unittest.TestCase):
         self.assertEqual(done["completion_tokens"], 1)
         self.assertIn("op=generate cancelled: client went away", self.adapter.log())
 
+    def test_a_client_gone_before_its_answer_is_told_not_failed(self):
+        """decoded's liveness probe gives up on a stopped adapter (SIGSTOP); resumed, the adapter
+        finds no reader for that probe's answer: a line saying so, not a failure."""
+        self.adapter.proc.send_signal(signal.SIGSTOP)
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.connect(self.adapter.socket)  # queued until the adapter accepts again
+                s.sendall(wire({"op": "info"}))
+        finally:
+            self.adapter.proc.send_signal(signal.SIGCONT)
+        self.assertEqual(self.adapter.request({"op": "info"}), [self.info])
+        deadline = time.monotonic() + 30
+        while "op=info: the client left" not in self.adapter.log() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        self.assertIn("op=info: the client left", self.adapter.log())
+        self.assertNotIn("op=info failed", self.adapter.log())
+
     # -------------------------------------------------------------- export
 
     def test_exported_blocks_match_the_spec(self):

@@ -9,6 +9,10 @@ use serde_json::{Value, json};
 
 use crate::answers::{Answer, chat, chat_at, chat_url, user};
 
+/// Liveness probes of prefilld's vLLM: a frozen engine is reported within about 12 s, and a
+/// busy one on this crowded machine still answers its `/health` in time.
+const LIVENESS: &str = "[engine.liveness]\ninterval = \"1s\"\ntimeout = \"3s\"\nfailures = 3\n";
+
 /// Small blocks keep the prompts (and the decoder's slow CPU prefill) short.
 const BLOCK_TOKENS: u64 = 32;
 /// The decoder's own cache for this model: 30 layers × (K + V) × 3 heads × 64 × fp32.
@@ -45,7 +49,7 @@ impl Rig {
         let prefilld_extra: String = [decoder_port.addr(), hasty_port.addr()]
             .iter()
             .map(|addr| format!("[[decoders]]\naddr = \"https://{addr}\"\nname = \"mac-1\"\n"))
-            .chain([pki.section("prefill-1", &["mac-1"])])
+            .chain([LIVENESS.to_owned(), pki.section("prefill-1", &["mac-1"])])
             .collect();
         let prefilld =
             Daemon::start("prefilld", &engines.prefilld_config(&scratch.0.join("prefilld"), &prefilld_extra)).await;
@@ -117,6 +121,7 @@ async fn bridged_answers_on_real_engines() {
     timed("rotten block", rig.a_rotten_block_is_quarantined_and_bridged_again(&first)).await;
     timed("slow link", rig.a_link_too_slow_times_out(&first)).await;
     timed("vLLM crash", rig.a_vllm_crash_mid_prefill_is_told_and_survived()).await;
+    timed("vLLM frozen", rig.a_frozen_vllm_cuts_its_bridge_and_is_skipped_until_it_answers()).await;
     timed("prefilld killed", rig.a_prefilld_killed_mid_bridge_leaves_what_landed()).await;
     timed("bad requests", rig.bad_requests_get_400s_and_leave_the_store(&first)).await;
 }
@@ -351,6 +356,56 @@ impl Rig {
         let restarts = "pdbridge_engine_restarts_total{engine=\"vllm\"}";
         self.prefilld.wait_metric(restarts, 1.0, Duration::from_secs(60)).await;
         self.prefilld.wait_ready(Duration::from_secs(900)).await;
+    }
+
+    /// vLLM frozen mid-bridge (SIGSTOP to its whole process group): prefilld cuts the bridge as
+    /// soon as vLLM stops answering, with `prefill_unavailable`, instead of waiting out the
+    /// deadline; its health and `/readyz` say NOT_SERVING, so the front door skips it, until vLLM
+    /// answers again.
+    async fn a_frozen_vllm_cuts_its_bridge_and_is_skipped_until_it_answers(&self) {
+        const PREFILLER: &str = "pdbridge.v1.Prefiller";
+        let health = self.prefilld.channel_as(Some(&self.pki.client("mac-1")), "prefill-1").await.unwrap();
+        let alive = "pdbridge_engine_alive{engine=\"vllm\"}";
+        assert_eq!(self.prefilld.metric(alive).await, Some(1.0));
+        // Required, so a failed bridge is told at once rather than answered natively (minutes of
+        // the CPU decoder's prefill).
+        let prompt = self.ask(17..20, "Who is a Contributor?");
+        let required = chat(&self.decoded, &prompt, "bridge");
+        let freeze = async {
+            self.prefilld.wait_metric("pdbridge_prefill_in_flight", 1.0, Duration::from_secs(60)).await;
+            self.prefilld.freeze_engine()
+        };
+        let (cut, frozen) = tokio::join!(required, freeze);
+        self.prefilld.wait_serving(&health, PREFILLER, false, Duration::from_secs(60)).await;
+        assert_eq!(self.prefilld.metric(alive).await, Some(0.0));
+        // Frozen before its first block: the bridge failed, the error saying why; had a block
+        // beaten the freeze, the answer is partial. Either way for the reason that stopped it, long
+        // before the deadline (which would have been `timeout`).
+        let v = &cut.verdict;
+        match cut.status {
+            502 => {
+                assert_eq!(v["outcome"], "failed", "{v}");
+                let message = cut.body["error"]["message"].as_str().unwrap_or_default();
+                assert!(message.contains("stopped answering"), "{:?}", cut.body);
+            }
+            200 => assert_eq!(v["outcome"], "partial", "{v}"),
+            other => panic!("{other}: {v}"),
+        }
+        assert_eq!(v["reason"], "prefill_unavailable", "{v}");
+
+        // While vLLM is frozen the front door does not ask this prefilld at all.
+        let skipped_before = logged(&self.decoded, "prefilld skipped", 0).await.len();
+        let unavailable = chat(&self.decoded, &self.ask(20..23, "What may a Contributor do?"), "bridge").await;
+        assert_eq!((unavailable.status, &unavailable.verdict["reason"]), (502, &json!("prefill_unavailable")));
+        let skipped = logged(&self.decoded, "prefilld skipped", skipped_before + 1).await;
+        let problem = skipped.last().map(|s| s["problem"].to_string()).unwrap_or_default();
+        assert!(problem.contains("NotServing"), "{skipped:?}");
+
+        drop(frozen);
+        self.prefilld.wait_serving(&health, PREFILLER, true, Duration::from_secs(60)).await;
+        assert_eq!(self.prefilld.metric(alive).await, Some(1.0));
+        let log = self.prefilld.log_text();
+        assert!(log.contains("engine stopped answering") && log.contains("engine answers again"), "{log}");
     }
 
     /// prefilld dies (SIGKILL) mid-bridge: the blocks that landed stay and are used, the verdict

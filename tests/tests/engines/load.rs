@@ -102,15 +102,40 @@ async fn admission_deadline_and_cancellation() {
     assert!(cancelled() >= 3, "every cut generation is cancelled:\n{}", decoded.log_text());
 }
 
+/// Liveness probes of the adapter: a frozen one is reported within about 5 s.
+const LIVENESS: &str = "[engine.liveness]\ninterval = \"500ms\"\ntimeout = \"2s\"\nfailures = 2\n";
+/// Longer than LIVENESS takes to call an engine that does not answer stalled.
+const STALL_WINDOW: Duration = Duration::from_secs(6);
+
+/// A busy adapter is alive; a frozen one (SIGSTOP) is not ready until it answers again, and its
+/// answer goes on; a crashed one ends its answer with an error and is restarted.
 #[tokio::test]
-async fn a_decode_engine_crash_mid_answer_ends_it_cleanly_and_the_engine_returns() {
+async fn a_decode_engine_frozen_or_crashed_mid_answer_is_told_and_returns() {
+    const CACHE_STORE: &str = "pdbridge.v1.CacheStore";
     let scratch = Scratch::new("crash");
-    let decoded = decoded_with_engine(&scratch, "", "").await;
+    let decoded = decoded_with_engine(&scratch, LIVENESS, "").await;
     let url = format!("http://{}/v1/completions", decoded.front.unwrap());
     let client = reqwest::Client::new();
+    let health = decoded.channel().await;
+    let alive = "pdbridge_engine_alive{engine=\"mlx\"}";
 
     let mut streaming = client.post(&url).json(&completion(ENDLESS, 4000, true)).send().await.unwrap();
     streaming.chunk().await.unwrap().expect("a first event");
+    // Generating is not stalling: the adapter answers its probe between tokens all along.
+    let busy_until = std::time::Instant::now() + STALL_WINDOW;
+    while std::time::Instant::now() < busy_until {
+        streaming.chunk().await.unwrap().expect("tokens keep coming");
+        let ready = reqwest::get(decoded.admin_url("/readyz")).await.unwrap().status();
+        assert_eq!(ready.as_u16(), 200, "a generating adapter was called stalled");
+    }
+    let frozen = decoded.freeze_engine();
+    decoded.wait_serving(&health, CACHE_STORE, false, Duration::from_secs(60)).await;
+    assert_eq!(decoded.metric(alive).await, Some(0.0));
+    drop(frozen);
+    decoded.wait_serving(&health, CACHE_STORE, true, Duration::from_secs(60)).await;
+    assert_eq!(decoded.metric(alive).await, Some(1.0));
+    streaming.chunk().await.unwrap().expect("the answer goes on after the thaw");
+
     let engine = decoded.children();
     assert_eq!(engine.len(), 1, "one engine process: {engine:?}");
     // SAFETY: kill(2) on the daemon's engine child, found a moment ago.
