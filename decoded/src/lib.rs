@@ -68,6 +68,39 @@ impl Daemon for Decoded {
 }
 
 /// Runs decoded on already-bound listeners until `shutdown` resolves.
+/// The decode engine as configured: the adapter under supervision, a fixed spec (ready at once), or
+/// none (never ready); and the supervisor's task.
+fn start_engine(
+    config: &Config,
+    readiness: &Readiness,
+    stop: &CancellationToken,
+) -> anyhow::Result<(Option<engine::Engine>, Option<tokio::task::JoinHandle<()>>)> {
+    Ok(match (config.engine.clone(), &config.spec_file) {
+        (Some(engine), _) => {
+            let (engine, task) = engine::supervise(engine, config.store.block_tokens, readiness.clone(), stop.clone());
+            (Some(engine), Some(task))
+        }
+        (None, Some(spec_file)) => {
+            let engine = engine::Engine::fixed(spec_file, config.store.block_tokens)?;
+            tracing::info!(spec_file = %spec_file.display(), "serving a fixed spec without a decode engine");
+            readiness.set(true);
+            (Some(engine), None)
+        }
+        (None, None) => {
+            tracing::warn!("no [engine] configured: decoded will never be ready");
+            (None, None)
+        }
+    })
+}
+
+/// The address prefilld pushes to when `front.advertise_addr` names none: the gRPC listener's,
+/// loopback for an unspecified one.
+fn advertised(grpc: std::net::SocketAddr, tls: bool) -> String {
+    let ip = if grpc.ip().is_unspecified() { [127, 0, 0, 1].into() } else { grpc.ip() };
+    let scheme = if tls { "https" } else { "http" };
+    format!("{scheme}://{}", std::net::SocketAddr::new(ip, grpc.port()))
+}
+
 pub async fn serve(listeners: Listeners, config: Config, shutdown: Shutdown) -> anyhow::Result<()> {
     telemetry::record_build_info(Decoded::NAME);
     register_metrics();
@@ -88,29 +121,9 @@ pub async fn serve(listeners: Listeners, config: Config, shutdown: Shutdown) -> 
     let store = Arc::new(store);
     // The engine outlives the drain: in-flight generations still need it.
     let engine_stop = CancellationToken::new();
-    let (engine, engine_task) = match (config.engine.clone(), &config.spec_file) {
-        (Some(engine), _) => {
-            let (engine, task) =
-                engine::supervise(engine, config.store.block_tokens, readiness.clone(), engine_stop.clone());
-            (Some(engine), Some(task))
-        }
-        (None, Some(spec_file)) => {
-            let engine = engine::Engine::fixed(spec_file, config.store.block_tokens)?;
-            tracing::info!(spec_file = %spec_file.display(), "serving a fixed spec without a decode engine");
-            readiness.set(true);
-            (Some(engine), None)
-        }
-        (None, None) => {
-            tracing::warn!("no [engine] configured: decoded will never be ready");
-            (None, None)
-        }
-    };
+    let (engine, engine_task) = start_engine(&config, &readiness, &engine_stop)?;
     let grpc_addr = listeners.grpc.local_addr()?;
-    let advertise = config.front.advertise_addr.clone().unwrap_or_else(|| {
-        let ip = if grpc_addr.ip().is_unspecified() { [127, 0, 0, 1].into() } else { grpc_addr.ip() };
-        let scheme = if tls.is_some() { "https" } else { "http" };
-        format!("{scheme}://{}", std::net::SocketAddr::new(ip, grpc_addr.port()))
-    });
+    let advertise = config.front.advertise_addr.clone().unwrap_or_else(|| advertised(grpc_addr, tls.is_some()));
     let front = front::router(engine.clone(), store.clone(), config.front.clone(), advertise, tls.as_ref(), api_keys);
     let front_limits = pdbridge_common::http::Limits {
         header_read_timeout: config.front.header_read_timeout,

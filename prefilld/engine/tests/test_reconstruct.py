@@ -1,5 +1,5 @@
 """Bundle loading (MLX only, no vLLM): the plugin builds the decoder's cache path from the decoder's
-bundle, and refuses, with a protocol reason, a bundle it cannot use."""
+bundle, and refuses, with its `PluginFailure`, a bundle it cannot use."""
 
 from __future__ import annotations
 
@@ -35,10 +35,10 @@ class BundleLoadTest(unittest.TestCase):
         path.write_bytes(serialize(sorted(tensors.items()), {**self.meta, **meta}))
         return str(path)
 
-    def refused(self, path: str, reason: str, needle: str, sha: str | None = None):
+    def refused(self, path: str, failure: int, needle: str, sha: str | None = None):
         with self.assertRaises(reconstruct.BundleError) as ctx:
             reconstruct.load(path, sha)
-        self.assertEqual(ctx.exception.reason, reason, str(ctx.exception))
+        self.assertEqual(ctx.exception.failure, failure, str(ctx.exception))
         self.assertIn(needle, str(ctx.exception))
 
     def test_the_decoders_bundle_loads_as_its_cache_path(self):
