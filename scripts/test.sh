@@ -57,50 +57,35 @@ py_suites() {
   return "$status"
 }
 
-# The suites of the array named $1, one after another.
-py_stream() {
-  local -n list=$1
-  py_suites "${list[@]}"
-}
-
-# A tier: each stream of Python suites (the arrays named in `streams`) in the background beside the
-# nextest tests of filter $1 (whose groups, .config/nextest.toml, say what runs at once); the CPU
-# decoder computes on one core and the engines wait on each other, so the streams keep the
-# machine's cores busy. The suites' output is shown when all end.
+# A tier: the Python suites of `suites` in the background beside the nextest tests of filter $1
+# (whose groups, .config/nextest.toml, say what runs at once); the CPU decoder computes on one core,
+# so the streams keep the machine's cores busy. The suites' output is shown when both end.
 tier() {
-  local filter=$1 status=0 stream logs=() pids=() pid
+  local filter=$1 status=0 log pid
   shift
-  for stream in "${streams[@]}"; do
-    logs+=("$(mktemp)")
-    py_stream "$stream" >"${logs[-1]}" 2>&1 &
-    pids+=("$!")
-  done
+  log=$(mktemp)
+  py_suites "${suites[@]}" >"$log" 2>&1 &
+  pid=$!
   cargo nextest run --workspace --locked --no-fail-fast -E "$filter" "$@" || status=$?
-  for pid in "${pids[@]}"; do
-    wait "$pid" || status=1
-  done
+  wait "$pid" || status=$?
   echo "test.sh: the Python suites:" >&2
-  cat "${logs[@]}" >&2
-  rm -f "${logs[@]}"
+  cat "$log" >&2
+  rm -f "$log"
   return "$status"
 }
 
 fast() {
-  local suites=(common/engine/tests 'test_*.py' decoded/engine/tests test_golden.py
-                decoded/engine/tests test_stop_text.py
-                decoded/engine/tests test_chat.py prefilld/engine/tests test_params.py
-                prefilld/engine/tests test_capture.py prefilld/engine/tests test_streamer.py
-                bench/gpu test_carry.py)
-  streams=(suites)
+  suites=(common/engine/tests 'test_*.py' decoded/engine/tests test_golden.py
+          decoded/engine/tests test_stop_text.py
+          decoded/engine/tests test_chat.py prefilld/engine/tests test_params.py
+          prefilld/engine/tests test_capture.py prefilld/engine/tests test_streamer.py
+          bench/gpu test_carry.py)
   tier 'not binary(engines)' "$@"
 }
 
-# Two streams: the decode adapter's suite (MLX), and the prefill plugin's (vLLM starts).
 engines() {
-  local adapter=(decoded/engine/tests test_adapter.py)
-  local plugin=(prefilld/engine/tests test_plugin.py prefilld/engine/tests test_reconstruct.py
-                prefilld/engine/tests test_deepseek_v41.py)
-  streams=(adapter plugin)
+  suites=(decoded/engine/tests test_adapter.py prefilld/engine/tests test_plugin.py
+          prefilld/engine/tests test_reconstruct.py prefilld/engine/tests test_deepseek_v41.py)
   tier 'binary(engines)' "$@"
 }
 
