@@ -28,16 +28,16 @@ class CaptureInput:
         return self.block(x, *args, **kwargs)
 
 
-def decoder_native_cache(tokens: list[int]):
-    """The decoder's own cache for `tokens`: mlx-lm prefill of the 4-bit folder in float32, one
-    call. Returns ([(keys, values)] per layer as numpy float32 [1, n_kv, T, head_dim], the
+def decoder_native_cache(tokens: list[int], model_dir: Path = MLX_DIR):
+    """The decoder's own cache for `tokens`: mlx-lm prefill of the test model's 4-bit folder (or
+    `model_dir`) in float32, one call. Returns ([(keys, values)] per layer as numpy float32 [1, n_kv, T, head_dim], the
     decoder's own layer inputs as float32 [T, n_layers, hidden])."""
     import mlx.core as mx
     import numpy as np
     from mlx_lm import load
     from mlx_lm.models.cache import make_prompt_cache
 
-    model, _ = load(str(MLX_DIR))
+    model, _ = load(str(model_dir))
     model.set_dtype(mx.float32)  # already fp32 scales/biases/norms; makes the activation dtype explicit
     inputs: list = []
     model.model.layers = [CaptureInput(b, inputs) for b in model.model.layers]

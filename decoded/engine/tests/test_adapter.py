@@ -1,12 +1,13 @@
-"""End-to-end tests of the pdbridge_mlx adapter: the real model over the real
-socket, no mocks.
+"""End-to-end tests of the pdbridge_mlx adapter: real models over the real socket, no mocks.
+
+The protocol, the blocks and the batch run on the seeded generated Llama 3 checkpoint
+(models/tiny-llama3-mlx, scripts/make-tiny-model.py: two layers, SmolLM2's tokenizer), which
+answers ~100x faster than the real one on this CPU; what depends on the real checkpoint (its spec,
+its 4-bit bundle, a tool call the model makes) runs on models/smollm2-mlx (scripts/prepare-model.py),
+whose 4-bit CPU prefill is ~8 tokens/s. PDB_TEST_MODEL points the first part elsewhere.
 
 Run (from the repository root):
-    flock /tmp/pdb-heavy.lock .venv/bin/python -m unittest discover -s decoded/engine/tests -v
-(or with pytest where it is installed). Needs models/smollm2-mlx
-(scripts/prepare-model.py); PDB_TEST_MODEL points elsewhere.
-
-Prompts stay under ~100 tokens: CPU 4-bit MLX prefills ~6-15 tokens/s.
+    flock /tmp/pdb-heavy.lock .venv/bin/python -m unittest discover -s decoded/engine/tests -p test_adapter.py -v
 """
 
 from __future__ import annotations
@@ -31,8 +32,12 @@ from pdbridge_cache.proto import engine_pb2
 
 ROOT = Path(__file__).resolve().parents[3]
 ENGINE_DIR = ROOT / "decoded" / "engine"
-MODEL = Path(os.environ.get("PDB_TEST_MODEL", ROOT / "models" / "smollm2-mlx"))
+MODEL = Path(os.environ.get("PDB_TEST_MODEL", ROOT / "models" / "tiny-llama3-mlx"))
+REAL_MODEL = ROOT / "models" / "smollm2-mlx"
 BLOCK = 16  # small blocks so a ~90-token prompt spans several
+# A generation still running while a test asks something else of the adapter: seconds of the
+# generated model's answer (it never says its end-of-text to MESSAGES), left early by the test.
+LONG = 4096
 START_TIMEOUT_S = 300
 MESSAGES = [{
     "role": "user",
@@ -82,14 +87,45 @@ def request(path: str, obj: dict | bytes, timeout: float = 600) -> list[dict]:
             return [flat(line) for line in f]
 
 
-def stream(path: str, req: dict, on_line) -> None:
-    """A generate request whose reply lines go to `on_line` as they arrive."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.connect(path)
-        s.sendall(wire({"op": "generate", **req}))
-        with s.makefile("rb") as f:
-            for line in f:
-                on_line(flat(line))
+class Running:
+    """A generate request streaming in the background: `first` is set at its first reply line,
+    `done` once its last has come; `leave()` hangs up (the adapter cancels the generation)."""
+
+    def __init__(self, path: str, req: dict):
+        self.lines: list[dict] = []
+        self.first, self.done = threading.Event(), threading.Event()
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.connect(path)
+        self._sock.sendall(wire({"op": "generate", **req}))
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        try:
+            with self._sock.makefile("rb") as f:
+                for line in f:
+                    self.lines.append(flat(line))
+                    self.first.set()
+        except OSError:
+            pass  # left by the test
+        finally:
+            self._sock.close()
+            self.done.set()
+
+    def started(self) -> "Running":
+        assert self.first.wait(timeout=600), "the generation never started"
+        return self
+
+    def finished(self) -> list[dict]:
+        assert self.done.wait(timeout=600), "the generation never ended"
+        return self.lines
+
+    def leave(self) -> None:
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # the adapter hung up first
+        self._reader.join(timeout=60)
 
 
 class Adapter:
@@ -153,7 +189,7 @@ class AdapterTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
         if not (MODEL / "config.json").is_file():
-            raise unittest.SkipTest(f"{MODEL} is missing (run scripts/prepare-model.py)")
+            raise unittest.SkipTest(f"{MODEL} is missing (run scripts/make-tiny-model.py --family llama3)")
         cls.tmp = tempfile.TemporaryDirectory(prefix="pdb-adapter-")
         cls.adapter = Adapter(cls.tmp.name)
         assert cls.adapter.ready == {"ready": True, "socket": cls.adapter.socket, "error": ""}, cls.adapter.ready
@@ -187,59 +223,6 @@ class AdapterTest(unittest.TestCase):
 
     # ---------------------------------------------------------------- info
 
-    def test_info_spec(self):
-        spec = self.info["spec"]
-        self.assertEqual(spec["architecture"], "LlamaForCausalLM")
-        self.assertEqual(spec["input_dtype"], "DTYPE_F32")
-        self.assertEqual(
-            {k: spec[k] for k in ("num_layers", "hidden_size", "vocab_size", "max_context", "block_tokens")},
-            {"num_layers": 30, "hidden_size": 576, "vocab_size": 49152, "max_context": 8192, "block_tokens": BLOCK},
-        )
-        self.assertEqual(len(spec["layers"]), 30)
-        for i, layer in enumerate(spec["layers"]):
-            self.assertEqual(layer, {
-                "index": i, "cache_class": "KVCache",
-                # uint64 in proto3 JSON: strings
-                "tensors": [{"name": n, "dtype": "DTYPE_F32", "shape": ["1", "3", "1", "64"], "token_axis": 2,
-                             "extent": "EXTENT_PER_TOKEN"} for n in ("keys", "values")],
-                "rope": {"kind": "default", "module": "RoPE", "base": 100000.0, "traditional": False, "dims": 64,
-                         "scaling": {}},
-                "window": 0, "keep": 0, "kv_bits": 0, "kv_group_size": 0, "kind": "CACHE_KIND_ROWS",
-                "unsupported_reason": "", "rewindable": True, "takes_tail": True, "from_inputs": True,
-            })
-        # What decoded fills in is left to it.
-        self.assertEqual(self.info["model_id"], MODEL.name)
-        self.assertEqual([spec[k] for k in ("model_id", "weights_fingerprint", "tokenizer_fingerprint",
-                                            "spec_fingerprint")], [""] * 4)
-        import mlx.core as mx
-        import mlx_lm
-
-        self.assertEqual(spec["decoder_code"], {"model_type": "llama", "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__})
-
-    def test_bundle_holds_what_the_decoders_cache_depends_on(self):
-        import mlx.core as mx
-
-        path = self.info["bundle_path"]
-        self.assertEqual(hashlib.sha256(Path(path).read_bytes()).hexdigest(), self.info["bundle_sha256"])
-        arrays, meta = mx.load(path, return_metadata=True)
-        expected = {f"model.layers.{i}.{part}" for i in range(30) for part in (
-            "input_layernorm.weight",
-            *(f"self_attn.{p}_proj.{t}" for p in "kv" for t in ("weight", "scales", "biases")))}
-        self.assertEqual(set(arrays), expected)
-        self.assertEqual(arrays["model.layers.0.self_attn.k_proj.weight"].dtype, mx.uint32)
-        self.assertEqual(arrays["model.layers.0.self_attn.k_proj.scales"].dtype, mx.float32)
-        for key, want in {"format": "pdbridge-bundle-v2", "dtype": "F32", "kv_bits": "0",
-                          "layers": ",".join(map(str, range(30)))}.items():
-            self.assertEqual(meta.get(key), want, key)
-        # The decoder's own config, as mlx-lm loaded it (the prefill side builds the model from it).
-        config = json.loads(meta["config"])
-        self.assertEqual((config["model_type"], config["quantization"]["bits"]), ("llama", 4))
-        # The fp32 model folder holds exactly these arrays: the bundle is the decoder's form.
-        weights = mx.load(str(MODEL / "model.safetensors"))
-        for name in expected:
-            self.assertTrue(mx.array_equal(arrays[name], weights[name]).item(), name)
-            self.assertEqual(arrays[name].dtype, weights[name].dtype, name)
-
     def test_tokenizer_fingerprint(self):
         h = hashlib.sha256((MODEL / "tokenizer.json").read_bytes() + (MODEL / "tokenizer_config.json").read_bytes())
         self.assertEqual(self.info["tokenizer_sha256"], h.hexdigest())
@@ -264,9 +247,15 @@ class AdapterTest(unittest.TestCase):
         self.assertIn(done["finish_reason"], ("stop", "length"))
         for key in ("restore", "prefill", "first_token", "total"):
             self.assertIsInstance(done["timings_ms"][key], float)
-        # The streamed deltas spell out exactly the generated ids.
+        # The streamed deltas spell out exactly the generated ids, as mlx-lm's own streaming
+        # detokenizer does (which drops the answer's leading space).
         text = "".join(line["text"] for line in lines) + done.get("text", "")
-        self.assertEqual(text, load_tokenizer().decode([line["id"] for line in lines]))
+        detokenizer = load_tokenizer().detokenizer
+        detokenizer.reset()
+        for line in lines:
+            detokenizer.add_token(line["id"])
+        detokenizer.finalize()
+        self.assertEqual(text, detokenizer.text)
 
     def test_stop_sequences_end_the_answer_before_them(self):
         lines, done = self.native
@@ -307,17 +296,18 @@ class AdapterTest(unittest.TestCase):
         self.assertEqual([l["id"] for l in runs[0]], [l["id"] for l in runs[1]])
 
     def test_a_client_that_leaves_cancels_its_generation(self):
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-            s.connect(self.adapter.socket)
-            s.sendall(wire({"op": "generate", "tokens": self.tokens, "blocks": self.export["files"],
-                            "max_tokens": 2000}))
-            s.makefile("rb").readline()  # the first token: the generation is running
-        # Were the model thread still busy with 2000 tokens (~3 min), this would wait.
-        t0 = time.monotonic()
+        cancelled = "op=generate cancelled: client went away"
+        before = self.adapter.log().count(cancelled)
+        running = Running(self.adapter.socket, {"tokens": self.tokens, "blocks": self.export["files"],
+                                                "max_tokens": LONG}).started()
+        running.leave()
+        deadline = time.monotonic() + 60
+        while self.adapter.log().count(cancelled) == before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.assertEqual(self.adapter.log().count(cancelled), before + 1, self.adapter.log())
+        self.assertLess(len(running.lines), LONG, "the generation ran to its end")
         _, done = self.generate(self.tokens, self.export["files"], max_tokens=1)
-        self.assertLess(time.monotonic() - t0, 30)
         self.assertEqual(done["completion_tokens"], 1)
-        self.assertIn("op=generate cancelled: client went away", self.adapter.log())
 
     def test_a_client_gone_before_its_answer_is_told_not_failed(self):
         """decoded's liveness probe gives up on a stopped adapter (SIGSTOP); resumed, the adapter
@@ -401,12 +391,12 @@ class AdapterTest(unittest.TestCase):
                                      "blocks": [path, *self.export["files"][1:]], "max_tokens": 4})
 
     def test_refuses_a_block_with_a_wrong_shape(self):
-        path = self._tampered("short", lambda a: a.update({"3.keys": a["3.keys"][:, :, : BLOCK // 2, :]}))
-        self.assert_bad_request(self._generate_with_block0(path), "3.keys")
+        path = self._tampered("short", lambda a: a.update({"1.keys": a["1.keys"][:, :, : BLOCK // 2, :]}))
+        self.assert_bad_request(self._generate_with_block0(path), "1.keys")
 
     def test_refuses_a_block_with_a_missing_tensor(self):
-        path = self._tampered("missing", lambda a: a.pop("5.values"))
-        self.assert_bad_request(self._generate_with_block0(path), "missing tensors 5.values")
+        path = self._tampered("missing", lambda a: a.pop("1.values"))
+        self.assert_bad_request(self._generate_with_block0(path), "missing tensors 1.values")
 
     def test_refuses_a_block_with_a_wrong_dtype(self):
         import mlx.core as mx
@@ -453,7 +443,7 @@ class AdapterTest(unittest.TestCase):
         import numpy as np
         from pdbridge_testkit.decoder import decoder_native_cache  # captured from mlx-lm's prefill
 
-        _, hidden = decoder_native_cache(self.tokens)
+        _, hidden = decoder_native_cache(self.tokens, MODEL)
         rows = hidden[BLOCK:2 * BLOCK]
         layers = [layer["index"] for layer in self.info["spec"]["layers"]]
         inputs, out = (os.path.join(self.tmp.name, name) for name in ("inputs.safetensors", "cache.safetensors"))
@@ -487,74 +477,42 @@ class AdapterTest(unittest.TestCase):
     # ----------------------------------------------------------- concurrency
 
     def test_info_and_tokenize_answer_while_generating(self):
-        first_token = threading.Event()
-        finished_at = []
-
-        def run():
-            stream(self.adapter.socket, {"tokens": self.tokens, "max_tokens": 64}, lambda _: first_token.set())
-            finished_at.append(time.monotonic())
-
-        worker = threading.Thread(target=run)
-        worker.start()
-        # The prefill alone (no blocks) takes seconds; ask while it runs.
-        time.sleep(0.5)
-        t0 = time.monotonic()
-        info = self.adapter.request({"op": "info"})
-        tokens = self.adapter.request({"op": "tokenize", "messages": MESSAGES})
-        answered_at = time.monotonic()
-        worker.join(timeout=600)
+        running = Running(self.adapter.socket, {"tokens": self.tokens, "max_tokens": LONG}).started()
+        try:
+            info = self.adapter.request({"op": "info"})
+            tokens = self.adapter.request({"op": "tokenize", "messages": MESSAGES})
+            self.assertFalse(running.done.is_set(), "info/tokenize waited for the generation")
+        finally:
+            running.leave()
         self.assertEqual(info, [self.info])
         self.assertEqual(tokens, [{"tokens": self.tokens}])
-        self.assertTrue(first_token.is_set())
-        self.assertLess(answered_at, finished_at[0], "info/tokenize waited for the generation")
-        self.assertLess(answered_at - t0, 2.0)
-
 
     def test_reconstruct_runs_between_the_steps_of_a_running_generation(self):
         """A bridged block's reconstruction does not wait out the answers being generated: it runs
         between two of the batch's steps."""
         import mlx.core as mx
 
-        first_token = threading.Event()
-        finished_at = []
-
-        def run():
-            stream(self.adapter.socket, {"tokens": self.tokens, "max_tokens": 200, "temperature": 0.0},
-                   lambda _: first_token.set())
-            finished_at.append(time.monotonic())
-
-        worker = threading.Thread(target=run)
-        worker.start()
-        self.assertTrue(first_token.wait(timeout=600), "the generation never started")
         hidden = mx.random.normal((BLOCK, self.info["spec"]["hidden_size"]), key=mx.random.key(0))
         inputs, out = (os.path.join(self.tmp.name, name) for name in ("busy-in.safetensors", "busy-out.safetensors"))
         mx.save_safetensors(inputs, {f"{layer['index']}.input": hidden for layer in self.info["spec"]["layers"]})
-        reply = self.adapter.request({"op": "reconstruct", "inputs": inputs, "offset": 0, "out": out})
-        answered_at = time.monotonic()
-        worker.join(timeout=600)
+        running = Running(self.adapter.socket, {"tokens": self.tokens, "max_tokens": LONG}).started()
+        try:
+            reply = self.adapter.request({"op": "reconstruct", "inputs": inputs, "offset": 0, "out": out})
+            self.assertFalse(running.done.is_set(), "reconstruct waited for the generation to finish")
+        finally:
+            running.leave()
         self.assertEqual(reply[-1].get("rows"), BLOCK, reply)
-        self.assertLess(answered_at, finished_at[0], "reconstruct waited for the generation to finish")
 
     def test_generations_share_the_model_as_one_batch_and_answer_as_alone(self):
         """A bridged request arriving while a native one is mid-answer joins it: its whole
         answer comes back before the long one ends, and every answer is the one it gets alone."""
-        long_lines, long_first = [], threading.Event()
-
-        def on_line(line: dict) -> None:
-            long_lines.append(line)
-            long_first.set()
-
-        def long_answer():
-            stream(self.adapter.socket, {"tokens": self.tokens, "max_tokens": 48}, on_line)
-
-        worker = threading.Thread(target=long_answer)
-        worker.start()
-        self.assertTrue(long_first.wait(timeout=600), "the long answer never started")
+        long = 1024
+        running = Running(self.adapter.socket, {"tokens": self.tokens, "max_tokens": long}).started()
         short = [self.generate(self.tokens, self.export["files"], max_tokens=4) for _ in range(2)]
-        short_done_while_long_ran = not long_lines[-1].get("done")
-        worker.join(timeout=600)
-        self.assertTrue(short_done_while_long_ran, "the short answers waited for the long one")
-        long_alone = self.generate(self.tokens, max_tokens=48)
+        self.assertFalse(running.done.is_set(), "the short answers waited for the long one")
+        long_lines = running.finished()
+        long_alone = self.generate(self.tokens, max_tokens=long)
+        self.assertEqual(len(long_alone[0]), long)
         self.assertEqual([l["id"] for l in long_lines[:-1]], [l["id"] for l in long_alone[0]])
         for lines, done in short:
             self.assertEqual([l["id"] for l in lines], [l["id"] for l in self.native[0][:4]])
@@ -583,9 +541,10 @@ class AdapterTest(unittest.TestCase):
             self.assertEqual([l["id"] for l in results[i][:-1]], [l["id"] for l in alone[i]])
 
 
-class ToolCallTest(unittest.TestCase):
-    """The adapter with a chat template that renders tools (deploy/templates): mlx-lm picks its
-    JSON tool parser from it, and a tool call the model makes comes back parsed, not as text."""
+class RealCheckpointTest(unittest.TestCase):
+    """The real checkpoint (SmolLM2, 4-bit) with a chat template that renders tools
+    (deploy/templates): the spec and the bundle of a quantized model; mlx-lm picks its JSON tool
+    parser from the template, and a tool call the model makes comes back parsed, not as text."""
 
     TEMPLATE = ROOT / "deploy" / "templates" / "smollm2-tools.jinja"
     TOOLS = [{"type": "function", "function": {
@@ -594,17 +553,71 @@ class ToolCallTest(unittest.TestCase):
 
     @classmethod
     def setUpClass(cls):
-        if not (MODEL / "config.json").is_file():
-            raise unittest.SkipTest(f"{MODEL} is missing")
-        cls.tmp = tempfile.TemporaryDirectory(prefix="pdb-tools-")
-        cls.adapter = Adapter(cls.tmp.name, extra=("--chat-template", str(cls.TEMPLATE)))
+        if not (REAL_MODEL / "config.json").is_file():
+            raise unittest.SkipTest(f"{REAL_MODEL} is missing (run scripts/prepare-model.py)")
+        cls.tmp = tempfile.TemporaryDirectory(prefix="pdb-real-")
+        cls.adapter = Adapter(cls.tmp.name, model=REAL_MODEL, extra=("--chat-template", str(cls.TEMPLATE)))
         assert cls.adapter.ready["ready"], cls.adapter.log()
+        cls.info = cls.adapter.request({"op": "info"})[0]
 
     @classmethod
     def tearDownClass(cls):
         code = cls.adapter.stop()
         cls.tmp.cleanup()
         assert code == 0, f"adapter exited with {code}"
+
+    def test_info_spec(self):
+        spec = self.info["spec"]
+        self.assertEqual(spec["architecture"], "LlamaForCausalLM")
+        self.assertEqual(spec["input_dtype"], "DTYPE_F32")
+        self.assertEqual(
+            {k: spec[k] for k in ("num_layers", "hidden_size", "vocab_size", "max_context", "block_tokens")},
+            {"num_layers": 30, "hidden_size": 576, "vocab_size": 49152, "max_context": 8192, "block_tokens": BLOCK},
+        )
+        self.assertEqual(len(spec["layers"]), 30)
+        for i, layer in enumerate(spec["layers"]):
+            self.assertEqual(layer, {
+                "index": i, "cache_class": "KVCache",
+                # uint64 in proto3 JSON: strings
+                "tensors": [{"name": n, "dtype": "DTYPE_F32", "shape": ["1", "3", "1", "64"], "token_axis": 2,
+                             "extent": "EXTENT_PER_TOKEN"} for n in ("keys", "values")],
+                "rope": {"kind": "default", "module": "RoPE", "base": 100000.0, "traditional": False, "dims": 64,
+                         "scaling": {}},
+                "window": 0, "keep": 0, "kv_bits": 0, "kv_group_size": 0, "kind": "CACHE_KIND_ROWS",
+                "unsupported_reason": "", "rewindable": True, "takes_tail": True, "from_inputs": True,
+            })
+        # What decoded fills in is left to it.
+        self.assertEqual(self.info["model_id"], REAL_MODEL.name)
+        self.assertEqual([spec[k] for k in ("model_id", "weights_fingerprint", "tokenizer_fingerprint",
+                                            "spec_fingerprint")], [""] * 4)
+        import mlx.core as mx
+        import mlx_lm
+
+        self.assertEqual(spec["decoder_code"], {"model_type": "llama", "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__})
+
+    def test_bundle_holds_what_the_decoders_cache_depends_on(self):
+        import mlx.core as mx
+
+        path = self.info["bundle_path"]
+        self.assertEqual(hashlib.sha256(Path(path).read_bytes()).hexdigest(), self.info["bundle_sha256"])
+        arrays, meta = mx.load(path, return_metadata=True)
+        expected = {f"model.layers.{i}.{part}" for i in range(30) for part in (
+            "input_layernorm.weight",
+            *(f"self_attn.{p}_proj.{t}" for p in "kv" for t in ("weight", "scales", "biases")))}
+        self.assertEqual(set(arrays), expected)
+        self.assertEqual(arrays["model.layers.0.self_attn.k_proj.weight"].dtype, mx.uint32)
+        self.assertEqual(arrays["model.layers.0.self_attn.k_proj.scales"].dtype, mx.float32)
+        for key, want in {"format": "pdbridge-bundle-v2", "dtype": "F32", "kv_bits": "0",
+                          "layers": ",".join(map(str, range(30)))}.items():
+            self.assertEqual(meta.get(key), want, key)
+        # The decoder's own config, as mlx-lm loaded it (the prefill side builds the model from it).
+        config = json.loads(meta["config"])
+        self.assertEqual((config["model_type"], config["quantization"]["bits"]), ("llama", 4))
+        # The fp32 model folder holds exactly these arrays: the bundle is the decoder's form.
+        weights = mx.load(str(REAL_MODEL / "model.safetensors"))
+        for name in expected:
+            self.assertTrue(mx.array_equal(arrays[name], weights[name]).item(), name)
+            self.assertEqual(arrays[name].dtype, weights[name].dtype, name)
 
     def conversation(self, city: str) -> list[int]:
         """Two earlier questions answered with calls, then a new one: the model follows suit."""
@@ -666,16 +679,12 @@ class LifecycleTest(unittest.TestCase):
                         self.assertIn("another process", other.ready["error"])
                         self.assertEqual(other.stop(signal_it=False), 1)  # exits on its own
                     if run == 0:
-                        # SIGTERM in the middle of a generation (an uninterruptible
-                        # prefill) still exits at once and cleanly.
-                        client = threading.Thread(target=lambda: adapter.request(
-                            {"op": "generate", "tokens": list(range(100, 190)), "max_tokens": 8}))
-                        client.start()
-                        time.sleep(1.0)
-                        t0 = time.monotonic()
+                        # SIGTERM in the middle of a generation still exits cleanly, the
+                        # generation unfinished.
+                        running = Running(adapter.socket, {"tokens": list(range(100, 190)),
+                                                           "max_tokens": LONG}).started()
                         self.assertEqual(adapter.stop(), 0, adapter.log())
-                        self.assertLess(time.monotonic() - t0, 5.0)
-                        client.join(timeout=60)
+                        self.assertLess(len(running.finished()), LONG, "the generation ran to its end")
                 finally:
                     code = adapter.stop()
                 self.assertEqual(code, 0, adapter.log())
