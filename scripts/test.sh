@@ -46,46 +46,51 @@ fi
 cat "$models_log" >&2
 rm -f "$models_log"
 
-# The Python suites named by "folder pattern" pairs (unittest: the engines' environment has no
-# pytest); every one runs, the status says whether all passed.
+# One stream of Python suites, named by "folder pattern" pairs in one word list (unittest: the
+# engines' environment has no pytest); every one runs, the status says whether all passed.
 py_suites() {
-  local status=0
-  while [ $# -gt 1 ]; do
-    .venv/bin/python -m unittest discover -s "$1" -p "$2" || status=1
-    shift 2
+  local pairs status=0 i
+  read -rd "" -a pairs <<<"$1" || true  # splits at white space without expanding the patterns
+  for (( i = 0; i + 1 < ${#pairs[@]}; i += 2 )); do
+    .venv/bin/python -m unittest discover -s "${pairs[i]}" -p "${pairs[i + 1]}" || status=1
   done
   return "$status"
 }
 
-# A tier: the Python suites of `suites` in the background beside the nextest tests of filter $1
-# (whose groups, .config/nextest.toml, say what runs at once); the CPU decoder computes on one core,
-# so the streams keep the machine's cores busy. The suites' output is shown when both end.
+# A tier: each stream of Python suites in `streams` in the background beside the nextest tests of
+# filter $1 (whose groups, .config/nextest.toml, say what runs at once); the CPU decoder computes on
+# one core, so the streams keep the machine's cores busy. The suites' output is shown when all end.
 tier() {
-  local filter=$1 status=0 log pid
+  local filter=$1 status=0 logs=() pids=() stream i
   shift
-  log=$(mktemp)
-  py_suites "${suites[@]}" >"$log" 2>&1 &
-  pid=$!
+  for stream in "${streams[@]}"; do
+    logs+=("$(mktemp)")
+    py_suites "$stream" >"${logs[-1]}" 2>&1 &
+    pids+=($!)
+  done
   cargo nextest run --workspace --locked --no-fail-fast -E "$filter" "$@" || status=$?
-  wait "$pid" || status=$?
-  echo "test.sh: the Python suites:" >&2
-  cat "$log" >&2
-  rm -f "$log"
+  for i in "${!pids[@]}"; do
+    wait "${pids[i]}" || status=$?
+    echo "test.sh: the Python suites, stream $(( i + 1 )) of ${#pids[@]}:" >&2
+    cat "${logs[i]}" >&2
+    rm -f "${logs[i]}"
+  done
   return "$status"
 }
 
+# The fast tier's suites in two streams: the chat tokenizer's (every tokenizer under models/) takes
+# as long as the rest together, and the nextest tests mostly wait on their daemons.
 fast() {
-  suites=(common/engine/tests 'test_*.py' decoded/engine/tests test_golden.py
-          decoded/engine/tests test_stop_text.py
-          decoded/engine/tests test_chat.py prefilld/engine/tests test_params.py
-          prefilld/engine/tests test_capture.py prefilld/engine/tests test_streamer.py
-          bench/gpu test_carry.py)
+  streams=("decoded/engine/tests test_chat.py"
+           "common/engine/tests test_*.py decoded/engine/tests test_golden.py
+            decoded/engine/tests test_stop_text.py prefilld/engine/tests test_params.py
+            prefilld/engine/tests test_capture.py prefilld/engine/tests test_streamer.py bench/gpu test_carry.py")
   tier 'not binary(engines)' "$@"
 }
 
 engines() {
-  suites=(decoded/engine/tests test_adapter.py prefilld/engine/tests test_plugin.py
-          prefilld/engine/tests test_reconstruct.py prefilld/engine/tests test_deepseek_v41.py)
+  streams=("decoded/engine/tests test_adapter.py prefilld/engine/tests test_plugin.py
+            prefilld/engine/tests test_reconstruct.py prefilld/engine/tests test_deepseek_v41.py")
   tier 'binary(engines)' "$@"
 }
 

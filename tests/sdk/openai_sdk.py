@@ -1,9 +1,11 @@
 """The front door as OpenAI's own Python SDK uses it (the `openai` package vLLM installs).
 
-    .venv/bin/python tests/sdk/openai_sdk.py --url http://127.0.0.1:8080 --model smollm2 --api-key KEY
+    .venv/bin/python tests/sdk/openai_sdk.py --url http://127.0.0.1:8080 --model smollm2 --api-key KEY [--checks api]
 
-Run by the end-to-end test `load::the_openai_sdk_is_answered_as_openai_answers` against a real
-decoded; exits non-zero with the failed check's message. Prints one line per check that passed.
+Run by the end-to-end tests against a real decoded: `load::the_openai_sdk_is_answered_as_openai_answers`
+(`--checks api`, on a generated checkpoint) and `load::tool_calls_the_model_makes_reach_the_sdk_parsed`
+(`--checks tool-calls`, on SmolLM2). Exits non-zero with the failed check's message; prints one line
+per check that passed.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Callable
 
 import openai
 
@@ -31,20 +34,11 @@ def weather_chat(city: str) -> list[dict]:
     return chat + [{"role": "user", "content": f"What is the weather in {city}?"}]
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--url", required=True)
-    p.add_argument("--model", required=True)
-    p.add_argument("--api-key", required=True)
-    args = p.parse_args()
-    client = openai.OpenAI(base_url=f"{args.url}/v1", api_key=args.api_key, max_retries=0, timeout=600)
-    model = args.model
+Check = Callable[..., None]
 
-    def check(name: str, ok: bool, detail: object = "") -> None:
-        if not ok:
-            sys.exit(f"FAIL {name}: {detail}")
-        print(f"ok   {name}")
 
+def api_checks(client: openai.OpenAI, model: str, url: str, check: Check) -> None:
+    """What the front door answers whatever the model: shapes, streaming, parameters, errors."""
     check("models", [m.id for m in client.models.list().data] == [model])
 
     whole = client.chat.completions.create(model=model, messages=CHAT, max_tokens=12, temperature=0)
@@ -134,7 +128,21 @@ def main() -> None:
             by_index[c.index] = by_index.get(c.index, "") + (c.delta.content or "")
     check("n=2 stream", by_index == {0: answer, 1: answer}, by_index)
 
-    # Tool calls (decoded serves a chat template that renders tools): parsed, never shown as text.
+    try:
+        client.chat.completions.create(model=model, messages=CHAT, tools=WEATHER, tool_choice="required")
+        check("forced tool call", False, "answered")
+    except openai.BadRequestError as e:
+        check("forced tool call", "tool_choice" in str(e), e)
+    try:
+        openai.OpenAI(base_url=f"{url}/v1", api_key="sk-wrong", max_retries=0).models.list()
+        check("wrong key", False, "answered")
+    except openai.AuthenticationError as e:
+        check("wrong key", e.code == "invalid_api_key", e)
+
+
+def tool_call_checks(client: openai.OpenAI, model: str, check: Check) -> None:
+    """Tool calls the model makes (decoded serves a chat template that renders tools): parsed,
+    never shown as text. Needs a model that calls tools when asked as the chat shows it."""
     called = client.chat.completions.create(model=model, messages=weather_chat("Paris"), tools=WEATHER,
                                             max_tokens=40, temperature=0)
     choice = called.choices[0]
@@ -150,17 +158,27 @@ def main() -> None:
     check("tool call stream", finish == "tool_calls" and [(d.index, d.function.name, json.loads(d.function.arguments))
                                                           for d in deltas] == [(0, "get_weather", {"city": "Oslo"})],
           (deltas, finish))
-    try:
-        client.chat.completions.create(model=model, messages=CHAT, tools=WEATHER, tool_choice="required")
-        check("forced tool call", False, "answered")
-    except openai.BadRequestError as e:
-        check("forced tool call", "tool_choice" in str(e), e)
-    try:
-        openai.OpenAI(base_url=f"{args.url}/v1", api_key="sk-wrong", max_retries=0).models.list()
-        check("wrong key", False, "answered")
-    except openai.AuthenticationError as e:
-        check("wrong key", e.code == "invalid_api_key", e)
 
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--url", required=True)
+    p.add_argument("--model", required=True)
+    p.add_argument("--api-key", required=True)
+    p.add_argument("--checks", choices=("all", "api", "tool-calls"), default="all",
+                   help="api: what the front door answers whatever the model; tool-calls: calls the model makes")
+    args = p.parse_args()
+    client = openai.OpenAI(base_url=f"{args.url}/v1", api_key=args.api_key, max_retries=0, timeout=600)
+
+    def check(name: str, ok: bool, detail: object = "") -> None:
+        if not ok:
+            sys.exit(f"FAIL {name}: {detail}")
+        print(f"ok   {name}")
+
+    if args.checks in ("all", "api"):
+        api_checks(client, args.model, args.url, check)
+    if args.checks in ("all", "tool-calls"):
+        tool_call_checks(client, args.model, check)
 
 if __name__ == "__main__":
     main()

@@ -3,17 +3,16 @@
 //! kernels. Both sides run MLX on this CPU, so those blocks must hold, byte for byte, what
 //! prefilld computes for a decoder that leaves it the work — and the answers the native ones.
 
-use std::{collections::BTreeMap, path::Path};
-
-use pdbridge_tests::Scratch;
-use safetensors::SafeTensors;
-
-use crate::{
-    answers::{chat, native_text, shared_prompt},
-    topology::one_prefiller_and_decoders,
+use std::{
+    collections::BTreeMap,
+    path::{Path, PathBuf},
 };
 
-const BLOCK_TOKENS: u32 = 64;
+use pdbridge_tests::Daemon;
+use safetensors::SafeTensors;
+use serde_json::Value;
+
+use crate::answers::{chat, native_text};
 
 /// What a block file holds: its metadata, and each tensor's dtype, shape and bytes — whatever
 /// order the header lists them in (the store writes its metadata from a hash map).
@@ -48,33 +47,27 @@ fn blocks_in(store: &Path) -> BTreeMap<String, BlockContent> {
     blocks
 }
 
-#[tokio::test]
-async fn a_decoder_computing_its_own_cache_stores_the_same_bytes_and_answers_natively() {
-    let scratch = Scratch::new("exact");
-    let modes = [(BLOCK_TOKENS, "reconstruct_on = \"prefiller\""), (BLOCK_TOKENS, "reconstruct_on = \"decoder\"")];
-    let (_prefilld, started) = one_prefiller_and_decoders(&scratch, &modes).await;
-
-    // One after the other: the same prompt, the same prefill, the same layer inputs.
-    let prompt = shared_prompt();
-    let mut answers = Vec::new();
-    for (decoded, _) in &started {
-        let answer = chat(decoded, &prompt, "auto").await;
-        assert_eq!(answer.status, 200, "{:?}", answer.body);
-        assert_eq!(answer.verdict["outcome"], "bridged", "{}", answer.verdict);
-        assert_eq!(answer.cached_tokens(), answer.prompt_tokens() - 1, "{}", answer.verdict);
-        answers.push(answer);
-    }
-    // The decoder computed every whole block and the tail itself.
-    let (exact, exact_store) = &started[1];
-    let blocks = answers[1].verdict["blocks"].as_u64().unwrap();
-    assert!(blocks >= 4, "{}", answers[1].verdict);
+/// `exact`, a decoder computing its own cache (`front.reconstruct_on = "decoder"`), bridges
+/// `prompt`, which `reference` (the same spec, prefilld computing its cache) bridged already: it
+/// computed every whole block and the tail itself, stored the bytes `reference` stored, and answers
+/// as it does natively.
+pub(crate) async fn computes_the_blocks_prefilld_computes(
+    (exact, exact_store): &(Daemon, PathBuf),
+    (reference, reference_store): &(Daemon, PathBuf),
+    prompt: &Value,
+) {
+    let answer = chat(exact, prompt, "auto").await;
+    assert_eq!(answer.status, 200, "{:?}", answer.body);
+    assert_eq!(answer.verdict["outcome"], "bridged", "{}", answer.verdict);
+    assert_eq!(answer.cached_tokens(), answer.prompt_tokens() - 1, "{}", answer.verdict);
+    let blocks = answer.verdict["blocks"].as_u64().unwrap();
+    assert!(blocks >= 4, "{}", answer.verdict);
     assert_eq!(exact.metric("pdbridge_reconstruct_seconds_count").await, Some((blocks + 1) as f64));
-    assert_eq!(started[0].0.metric("pdbridge_reconstruct_seconds_count").await.unwrap_or(0.0), 0.0);
+    assert_eq!(reference.metric("pdbridge_reconstruct_seconds_count").await.unwrap_or(0.0), 0.0);
 
-    let (computed_here, computed_there) = (blocks_in(exact_store), blocks_in(&started[0].1));
+    let (computed_here, computed_there) = (blocks_in(exact_store), blocks_in(reference_store));
     assert_eq!(computed_here.len() as u64, blocks);
     assert!(computed_here == computed_there, "the decoder's blocks differ from prefilld's");
-    let native = native_text(exact, &prompt).await;
-    assert_eq!(answers[1].text(), native, "the decoder's own cache answers otherwise than native");
-    assert_eq!(answers[0].text(), native);
+    let native = native_text(exact, prompt).await;
+    assert_eq!(answer.text(), native, "the decoder's own cache answers otherwise than native");
 }

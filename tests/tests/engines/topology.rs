@@ -107,12 +107,15 @@ pub(crate) async fn one_prefiller_and_decoders(
     (prefilld, started)
 }
 
-/// One prefilld, two decoders of different specs (64- and 32-token blocks), bridged at once: each
-/// gets its own spec's blocks, in its own store only, and answers as it does natively.
+/// One prefilld (one vLLM) for three decoders: two of different specs (64- and 32-token blocks),
+/// bridged at once, each get their own spec's blocks, in their own store only, and answer as they
+/// do natively; then one that computes its own cache from the layer inputs stores what prefilld
+/// computed for the first ([`exact`](crate::exact)).
 #[tokio::test]
-async fn one_prefiller_serves_two_decoders_at_once_each_into_its_own_store() {
-    let scratch = Scratch::new("two-decoders");
-    let (_prefilld, started) = one_prefiller_and_decoders(&scratch, &[(64, ""), (32, "")]).await;
+async fn one_prefiller_serves_decoders_of_two_specs_at_once_and_one_computing_its_own_cache() {
+    let scratch = Scratch::new("decoders");
+    let decoders = [(64, ""), (32, ""), (64, "reconstruct_on = \"decoder\"")];
+    let (_prefilld, started) = one_prefiller_and_decoders(&scratch, &decoders).await;
     // The same prompt for both at once: two prefills of the same tokens, each for its own spec.
     let prompt = shared_prompt();
     let (one, two) = tokio::join!(chat(&started[0].0, &prompt, "auto"), chat(&started[1].0, &prompt, "auto"));
@@ -125,6 +128,7 @@ async fn one_prefiller_serves_two_decoders_at_once_each_into_its_own_store() {
         assert_eq!(stored, Some((answer.prompt_tokens() / block_tokens) as f64), "{}", answer.verdict);
         assert_eq!(answer.text(), native_text(decoded, &prompt).await, "bridged and native differ");
     }
+    crate::exact::computes_the_blocks_prefilld_computes(&started[2], &started[0], &prompt).await;
 }
 
 /// vLLM spread over two processes as `engine_keys` say bridges a cold prompt, every block once, as
