@@ -7,7 +7,7 @@ test makes every request it asserts on: tests pass in any order and alone (``-k 
 
 - `ReconstructionTest`: the plugin's MLX math alone, no vLLM.
 - `ChunkedServerTest`: one vLLM server (float32, the decoder's dequantized weights, plugin loaded)
-  with ``--max-num-batched-tokens 256``, so that a ~600-token prompt is prefilled in three steps and
+  with ``--max-num-batched-tokens 128``, so that a 300-token prompt is prefilled in three steps and
   blocks must leave per step; its default-chunking test starts a second server (the prompt in one
   step) beside it, compared with this one.
 - `Bfloat16Test`, `PipelineTest`: servers of their own, started inside the test (unittest tears a
@@ -42,9 +42,10 @@ from pdbridge_testkit.decoder import decoder_bundle, decoder_native_cache
 from pdbridge_testkit.prefill import Receiver, VllmServer, kind, prompt_tokens, timings
 from pdbridge_vllm import protocol
 
-T = 600  # prompt tokens: 4 full blocks of 128 + a partial one
-B = 128
-CHUNK = 256  # --max-num-batched-tokens of ChunkedServerTest's server
+# The decoder's native cache is the reference, and its 4-bit CPU prefill is ~8 tokens/s.
+T = 300  # prompt tokens: 4 full blocks of 64 + a partial one
+B = 64
+CHUNK = 128  # --max-num-batched-tokens of ChunkedServerTest's server
 CHUNKED_ARGS = ["--max-num-batched-tokens", str(CHUNK)]
 # fp32 vLLM vs fp32 MLX on identical weights differ only by summation order (~1e-6 relative per
 # op, compounding over 30 layers; measured ≤ 8.1e-6): bound max|Δ| / max|native| per tensor.
@@ -263,7 +264,7 @@ class BridgeCase(unittest.TestCase):
 
 
 class ChunkedServerTest(BridgeCase):
-    """One float32 server with a 256-token step budget, shared by the class; each test makes its
+    """One float32 server with a 128-token step budget, shared by the class; each test makes its
     own requests on it and leaves nothing another test reads."""
 
     @classmethod
@@ -273,7 +274,7 @@ class ChunkedServerTest(BridgeCase):
         cls.addClassCleanup(cls.server.stop)
 
     def test_bridged_request_matches_decoder_cache(self):
-        """The whole prompt, prefilled in 256-token steps: every block arrives, in order, within
+        """The whole prompt, prefilled in 128-token steps: every block arrives, in order, within
         REL_BOUND of the decoder's native cache; the reply says the prefill completed."""
         r = self.bridge(self.server, "req-a")
         self.assert_done(r)
@@ -326,7 +327,7 @@ class ChunkedServerTest(BridgeCase):
         self.assertEqual(r.kinds, ["block", "done"])
 
     def test_client_abort_mid_prefill_is_an_error_event(self):
-        # 2048 tokens at 256 per step take several steps; the client gives up after 0.5 s, vLLM
+        # 2048 tokens at 128 per step take many steps; the client gives up after 0.5 s, vLLM
         # aborts the request, and the engine's finish event (not a timer) ends the stream.
         tokens = prompt_tokens(2048)
         rid = unique_id("req-abort")
@@ -343,7 +344,7 @@ class ChunkedServerTest(BridgeCase):
     @unittest.skipIf(os.environ.get("PDB_SKIP_CHUNKING") == "1", "PDB_SKIP_CHUNKING=1")
     def test_default_chunking_matches_chunked_schedule(self):
         """The same prompt on a server with the default token budget (the prompt in one step) and
-        on one with 256-token steps (the reference: the class's server): both within REL_BOUND of
+        on one with 128-token steps (the reference: the class's server): both within REL_BOUND of
         the native cache, and the two schedules within REL_BOUND of each other (max|Δ| /
         max|native| per tensor). Byte identity between them is reported, not required: vLLM-CPU's attention sums a
         mid-sequence chunk's context in another order than one long step (its linear layers are
