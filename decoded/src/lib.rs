@@ -3,6 +3,7 @@
 //! OpenAI-compatible front door.
 
 pub mod config;
+pub mod dialects;
 pub mod engine;
 pub mod front;
 pub mod inflight;

@@ -38,6 +38,13 @@ pub fn choice(kind: Kind, index: u32, text: &str, finish: &str, logprobs: Option
     choice
 }
 
+/// vLLM's extension of a choice: `stop_reason`, the stop sequence that ended the answer.
+pub fn add_stop_reason(choice: &mut Value, stop_sequence: &str) {
+    if !stop_sequence.is_empty() {
+        choice["stop_reason"] = stop_sequence.into();
+    }
+}
+
 /// A whole (non-streamed) answer, without `usage`.
 pub fn completion(kind: Kind, id: &str, created: u64, model: &str, choices: Vec<Value>) -> Value {
     let object = match kind {

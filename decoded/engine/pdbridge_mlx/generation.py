@@ -207,7 +207,7 @@ class Output:
         done = engine_pb2.GenerateSummary(
             finish_reason=reason, prompt_tokens=len(p.tokens), cached_tokens=self.cached,
             completion_tokens=self.completion, timings_ms={k: v for k, v in timings.items() if v is not None},
-            text=held, tool_calls=calls,
+            text=held, tool_calls=calls, stop_sequence=self.stop_text.matched if reason == "stop" else "",
         )
         self.job.put(engine_pb2.Reply(done=done))
 
@@ -236,12 +236,14 @@ class StopText:
     def __init__(self, stops: list[str]):
         self.stops = stops
         self.pending = ""
+        self.matched = ""  # the stop sequence that completed, once one has
 
     def push(self, piece: str) -> tuple[str, bool]:
         self.pending += piece
-        found = [i for stop in self.stops if (i := self.pending.find(stop)) >= 0]
+        found = [(i, stop) for stop in self.stops if (i := self.pending.find(stop)) >= 0]
         if found:
-            out, self.pending = self.pending[: min(found)], ""
+            at, self.matched = min(found, key=lambda f: f[0])
+            out, self.pending = self.pending[:at], ""
             return out, True
         held = max((k for stop in self.stops for k in range(1, len(stop)) if self.pending.endswith(stop[:k])), default=0)
         cut = len(self.pending) - held

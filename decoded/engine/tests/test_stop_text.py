@@ -31,9 +31,10 @@ class StopTextTest(unittest.TestCase):
         sent, stopped, rest = run(["</end>"], ["a </", "x", "y </e"])
         self.assertEqual(("".join(sent), stopped, rest), ("a </xy ", False, "</e"))
 
-    def test_the_earliest_of_several_stops_wins(self):
-        sent, stopped, _ = run(["world", "lo"], ["hello world"])
-        self.assertEqual(("".join(sent), stopped), ("hel", True))
+    def test_the_earliest_of_several_stops_wins_and_is_named(self):
+        filt = StopText(["world", "lo"])
+        self.assertEqual((filt.push("hello world"), filt.matched), (("hel", True), "lo"))
+        self.assertEqual(StopText(["world"]).matched, "", "none matched yet")
 
     def test_no_stops_pass_everything_through(self):
         sent, stopped, rest = run([], ["a", "", "b"])

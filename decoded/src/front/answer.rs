@@ -20,6 +20,7 @@ use super::{
     verdict::{self, Verdict, record_outcome, record_stages, record_ttft},
 };
 use crate::{
+    dialects::{self, Dialect},
     engine::{Engine, EngineError, GenerateEvent, GenerateRequest, GenerateSummary, Generation, ToolCall},
     openai::{self, Kind},
     store::{Lease, Tail},
@@ -139,9 +140,10 @@ trait Sink {
 }
 
 impl Answers {
-    /// Headers now, with the verdict as planned; the events follow from a task that holds the
-    /// lease and the admission until the last one, within the request's deadline.
-    pub fn stream(mut self, names: Names, admitted: Admitted) -> Response {
+    /// Headers now, with the verdict as planned; the events (chat chunks, or told in `dialect`)
+    /// follow from a task that holds the lease and the admission until the last one, within the
+    /// request's deadline.
+    pub fn stream(mut self, names: Names, admitted: Admitted, dialect: Dialect) -> Response {
         let (tx, rx) = mpsc::channel::<Event>(16);
         let events = tokio_stream::StreamExt::map(tokio_stream::wrappers::ReceiverStream::new(rx), Ok::<_, Infallible>);
         let mut response = Sse::new(events).into_response();
@@ -157,6 +159,7 @@ impl Answers {
                 completion_tokens: 0,
                 usage: None,
                 include_usage,
+                dialect: dialect.stream(),
             };
             let answered = tokio::time::timeout_at(deadline, self.run(&mut sink)).await.unwrap_or_else(|_| {
                 // Worded as the deadline's error event always was.
@@ -167,13 +170,13 @@ impl Answers {
         response
     }
 
-    /// One completion with every answer; the verdict, final, in its header.
-    pub async fn collect(mut self, names: &Names) -> Result<Response, FrontError> {
+    /// One completion with every answer (in `dialect`); the verdict, final, in its header.
+    pub async fn collect(mut self, names: &Names, dialect: Dialect) -> Result<Response, FrontError> {
         let mut sink = Collected::new(self.kind, self.choices.sampling.logprobs.is_some());
         self.run(&mut sink).await?;
         drop(self.lease);
         self.verdict.timings_ms.insert("total".into(), ms(self.started));
-        sink.respond(names, self.verdict)
+        sink.respond(names, self.verdict, dialect)
     }
 
     /// The event loop: every answer in turn, each event into `sink`. What the engine restored is
@@ -248,29 +251,49 @@ struct Streamed {
     /// that ends the stream.
     usage: Option<Value>,
     include_usage: bool,
+    /// Another API's events for the chunks; none: the chunks as they are.
+    dialect: Option<Box<dyn dialects::Stream>>,
 }
 
 impl Streamed {
-    async fn send(&self, data: &Value) -> Result<(), Cut> {
-        self.tx.send(Event::default().data(data.to_string())).await.map_err(|_| Cut::Left)
+    /// A chat chunk, or the events it makes in the request's dialect.
+    async fn send(&mut self, chunk: &Value) -> Result<(), Cut> {
+        let events = match self.dialect.as_mut() {
+            Some(dialect) => dialect.chunk(chunk).into_iter().map(sse).collect(),
+            None => vec![Event::default().data(chunk.to_string())],
+        };
+        self.send_events(events).await
     }
 
-    /// The usage chunk (when asked for) and `[DONE]` after the last answer; after a failure its
-    /// error, and no `[DONE]`.
-    async fn end(self, answered: Result<(), Cut>) {
+    async fn send_events(&self, events: Vec<Event>) -> Result<(), Cut> {
+        for event in events {
+            self.tx.send(event).await.map_err(|_| Cut::Left)?;
+        }
+        Ok(())
+    }
+
+    /// The usage chunk (when asked for) and `[DONE]` after the last answer (or the dialect's
+    /// last events); after a failure its error, and no `[DONE]`.
+    async fn end(mut self, answered: Result<(), Cut>) {
         let last = match answered {
             Ok(()) => {
-                if let Some(usage) = self.usage.as_ref().filter(|_| self.include_usage)
-                    && self.send(&openai::usage_chunk(self.kind, self.names.ids(), usage.clone())).await.is_err()
+                if let Some(usage) = self.usage.clone().filter(|_| self.include_usage)
+                    && self.send(&openai::usage_chunk(self.kind, self.names.ids(), usage)).await.is_err()
                 {
                     return;
                 }
-                Event::default().data("[DONE]")
+                match self.dialect.as_mut() {
+                    Some(dialect) => dialect.end().into_iter().map(sse).collect(),
+                    None => vec![Event::default().data("[DONE]")],
+                }
             }
             Err(Cut::Left) => return,
-            Err(e) => Event::default().data(stream_error(e).to_string()),
+            Err(e) => match self.dialect.as_mut() {
+                Some(dialect) => dialect.error(&e.to_string()).into_iter().map(sse).collect(),
+                None => vec![Event::default().data(stream_error(e).to_string())],
+            },
         };
-        let _ = self.tx.send(last).await;
+        let _ = self.send_events(last).await;
     }
 }
 
@@ -294,6 +317,7 @@ impl Sink for Streamed {
         // that never completed) ends the answer.
         let held = Some(summary.text.as_str()).filter(|t| !t.is_empty());
         let mut chunk = openai::chunk(self.kind, self.names.ids(), index, held, Some(&summary.finish_reason));
+        openai::add_stop_reason(&mut chunk["choices"][0], &summary.stop_sequence);
         if !summary.tool_calls.is_empty() {
             openai::add_tool_calls(&mut chunk, &summary.tool_calls, self.calls_sent);
         }
@@ -305,6 +329,11 @@ impl Sink for Streamed {
         }
         self.send(&chunk).await
     }
+}
+
+/// A dialect's event as a server-sent event.
+fn sse(event: dialects::SseEvent) -> Event {
+    Event::default().event(event.name).data(event.data.to_string())
 }
 
 /// An error event ending a streamed answer (its headers have already left).
@@ -340,14 +369,14 @@ impl Collected {
         }
     }
 
-    fn respond(self, names: &Names, mut verdict: Verdict) -> Result<Response, FrontError> {
+    fn respond(self, names: &Names, mut verdict: Verdict, dialect: Dialect) -> Result<Response, FrontError> {
         let first = self.first.ok_or_else(|| FrontError::Engine("no answer was generated".into()))?;
         for (stage, value) in &first.timings_ms {
             verdict.timings_ms.insert(format!("engine_{stage}"), *value);
         }
         let mut body = openai::completion(self.kind, &names.id, names.created, &names.model, self.choices);
         body["usage"] = openai::usage(first.prompt_tokens, self.completion_tokens, first.cached_tokens);
-        let mut response = Json(body).into_response();
+        let mut response = Json(dialect.whole(body)).into_response();
         verdict::set(&mut response, &verdict);
         Ok(response)
     }
@@ -368,7 +397,9 @@ impl Sink for Collected {
         calls.extend(summary.tool_calls.iter().cloned());
         let entries = std::mem::take(&mut self.entries);
         let logprobs = self.logprobs.then(|| openai::logprobs(self.kind, &entries));
-        self.choices.push(openai::choice(self.kind, index, &text, &summary.finish_reason, logprobs, &calls));
+        let mut choice = openai::choice(self.kind, index, &text, &summary.finish_reason, logprobs, &calls);
+        openai::add_stop_reason(&mut choice, &summary.stop_sequence);
+        self.choices.push(choice);
         self.completion_tokens += summary.completion_tokens;
         self.first.get_or_insert(summary);
         Ok(())

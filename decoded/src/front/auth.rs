@@ -1,5 +1,5 @@
-//! API keys at the front door, as OpenAI clients send them
-//! (`Authorization: Bearer <key>`).
+//! API keys at the front door, as OpenAI clients send them (`Authorization: Bearer <key>`) or
+//! Anthropic's (`x-api-key: <key>`).
 
 use std::{collections::HashSet, sync::Arc};
 
@@ -37,7 +37,8 @@ impl ApiKeys {
             .get(header::AUTHORIZATION)
             .and_then(|value| value.to_str().ok())
             .and_then(|value| value.strip_prefix("Bearer "));
-        bearer.is_some_and(|key| self.0.contains(&Self::digest(key.trim())))
+        let anthropic = headers.get("x-api-key").and_then(|value| value.to_str().ok());
+        [bearer, anthropic].into_iter().flatten().any(|key| self.0.contains(&Self::digest(key.trim())))
     }
 }
 
@@ -51,7 +52,7 @@ pub async fn require_api_key(
         return next.run(request).await;
     }
     metrics::counter!(metric::UNAUTHORIZED).increment(1);
-    let message = "missing or incorrect API key: send `Authorization: Bearer <key>` with a key from front.api_keys";
+    let message = "missing or incorrect API key: send `Authorization: Bearer <key>` (or `x-api-key: <key>`) with a key from front.api_keys";
     let body = json!({"error": {"message": message, "type": "invalid_request_error", "code": "invalid_api_key"}});
     (StatusCode::UNAUTHORIZED, Json(body)).into_response()
 }

@@ -1,5 +1,6 @@
 //! Every way the front door refuses or fails a request, in OpenAI's error
-//! shape (`{"error": {"message", "type", "code"}}`) with its HTTP status.
+//! shape (`{"error": {"message", "type", "code"}}`) with its HTTP status, or in Anthropic's
+//! (`{"type": "error", "error": {"type", "message"}}`) on `/v1/messages`.
 
 use std::time::Duration;
 
@@ -87,18 +88,41 @@ impl FrontError {
     }
 }
 
-impl IntoResponse for FrontError {
-    fn into_response(self) -> Response {
-        let (status, kind, code) = self.shape();
-        let mut response =
-            (status, Json(json!({"error": {"message": self.to_string(), "type": kind, "code": code}}))).into_response();
-        if let FrontError::Overloaded { .. } = &self {
+impl FrontError {
+    /// The error as Anthropic's API answers it: its type follows the status.
+    pub fn into_anthropic_response(self) -> Response {
+        let (status, ..) = self.shape();
+        let kind = match status.as_u16() {
+            400 => "invalid_request_error",
+            401 => "authentication_error",
+            404 => "not_found_error",
+            413 => "request_too_large",
+            429 => "rate_limit_error",
+            503 => "overloaded_error",
+            _ => "api_error",
+        };
+        let body = json!({"type": "error", "error": {"type": kind, "message": self.to_string()}});
+        self.with_headers((status, Json(body)).into_response())
+    }
+
+    /// What the response of any shape carries besides its body: `Retry-After` when overloaded,
+    /// the verdict of a required bridge that failed.
+    fn with_headers(&self, mut response: Response) -> Response {
+        if let FrontError::Overloaded { .. } = self {
             response.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
         }
-        if let FrontError::BridgeRequired { reason, .. } = &self {
+        if let FrontError::BridgeRequired { reason, .. } = self {
             verdict::set(&mut response, &json!({"outcome": "failed", "reason": reason}));
         }
         response
+    }
+}
+
+impl IntoResponse for FrontError {
+    fn into_response(self) -> Response {
+        let (status, kind, code) = self.shape();
+        let body = json!({"error": {"message": self.to_string(), "type": kind, "code": code}});
+        self.with_headers((status, Json(body)).into_response())
     }
 }
 
@@ -113,5 +137,24 @@ mod tests {
         assert!(e.to_string().contains("plus `max_tokens` (10)"), "{e}");
         let other: FrontError = openai::InvalidRequest("`n` must be …".into()).into();
         assert_eq!(other.shape(), (StatusCode::BAD_REQUEST, "invalid_request_error", None));
+    }
+
+    /// On `/v1/messages` the same errors come in Anthropic's shape, with their status and headers.
+    #[tokio::test]
+    async fn on_anthropics_api_an_error_has_anthropics_shape() {
+        for (error, status, kind) in [
+            (FrontError::Overloaded { limit: 3 }, 429, "rate_limit_error"),
+            (FrontError::BadRequest("`max_tokens` is required".into()), 400, "invalid_request_error"),
+            (FrontError::EngineUnavailable, 503, "overloaded_error"),
+        ] {
+            let message = error.to_string();
+            let overloaded = matches!(error, FrontError::Overloaded { .. });
+            let response = error.into_anthropic_response();
+            assert_eq!(response.status().as_u16(), status);
+            assert_eq!(response.headers().contains_key(header::RETRY_AFTER), overloaded);
+            let body = axum::body::to_bytes(response.into_body(), 1 << 16).await.unwrap();
+            let body: serde_json::Value = serde_json::from_slice(&body).unwrap();
+            assert_eq!(body, json!({"type": "error", "error": {"type": kind, "message": message}}));
+        }
     }
 }

@@ -1,6 +1,7 @@
 //! The OpenAI-compatible front door (`/v1/chat/completions`, `/v1/completions`,
-//! `/v1/models`), which decides per request whether to bridge or to serve
-//! natively and says which in the `X-PD-Bridge` header.
+//! `/v1/models`, and the APIs coding tools speak: OpenAI's `/v1/responses` and Anthropic's
+//! `/v1/messages`, as translations of a chat, `crate::dialects`), which decides per request
+//! whether to bridge or to serve natively and says which in the `X-PD-Bridge` header.
 //!
 //! Per request: tokenize with the decoder's own tokenizer, look up the cached
 //! prefix, and — when the uncached whole blocks reach `front.min_bridge_tokens`
@@ -43,6 +44,7 @@ use tokio::{
 
 use crate::{
     config::{ApiKey, FrontConfig},
+    dialects::{self, Dialect},
     engine::{Engine, EngineError, Generation, TokenizeInput},
     inflight::Bridges,
     openai::{self, Kind},
@@ -92,6 +94,8 @@ pub fn router(
     Router::new()
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
+        .route("/v1/responses", post(responses))
+        .route("/v1/messages", post(messages))
         .route("/v1/models", get(models))
         .route("/pd/v1/tokenize", post(tokenize))
         .with_state(state)
@@ -142,9 +146,21 @@ async fn tokenize(State(front): State<Front>, Body(body): Body) -> Result<Json<V
 }
 
 async fn chat(State(front): State<Front>, headers: HeaderMap, Body(body): Body) -> Result<Response, FrontError> {
-    let messages = openai::chat_messages(&body)?;
-    let tools = openai::tools(&body)?;
-    front.complete(&headers, &body, chat_input(&front.config, &messages, tools), Kind::Chat).await
+    front.chat(&headers, &body, Dialect::Chat).await
+}
+
+async fn responses(State(front): State<Front>, headers: HeaderMap, Body(body): Body) -> Result<Response, FrontError> {
+    let chat = dialects::responses::chat_request(&body)?;
+    front.chat(&headers, &chat, Dialect::Responses).await
+}
+
+/// Anthropic's Messages API, its errors in Anthropic's shape too.
+async fn messages(State(front): State<Front>, headers: HeaderMap, body: Result<Body, FrontError>) -> Response {
+    let answered = async {
+        let chat = dialects::messages::chat_request(&body?.0)?;
+        front.chat(&headers, &chat, Dialect::Messages).await
+    };
+    answered.await.unwrap_or_else(FrontError::into_anthropic_response)
 }
 
 /// A chat as this front door has the decoder tokenize it (the native and the bridged answer both
@@ -157,7 +173,7 @@ fn chat_input<'a>(config: &FrontConfig, messages: &'a Value, tools: Option<&'a V
 async fn completions(State(front): State<Front>, headers: HeaderMap, Body(body): Body) -> Result<Response, FrontError> {
     let prompt =
         body.get("prompt").and_then(Value::as_str).ok_or(FrontError::BadRequest("`prompt` must be a string".into()))?;
-    front.complete(&headers, &body, TokenizeInput::Text { prompt }, Kind::Text).await
+    front.complete(&headers, &body, TokenizeInput::Text { prompt }, (Kind::Text, Dialect::Chat)).await
 }
 
 fn mode(headers: &HeaderMap) -> Result<Mode, FrontError> {
@@ -171,6 +187,13 @@ fn mode(headers: &HeaderMap) -> Result<Mode, FrontError> {
 }
 
 impl Front {
+    /// A chat request (`body` in chat completions' shape), answered in `dialect`.
+    async fn chat(&self, headers: &HeaderMap, body: &Value, dialect: Dialect) -> Result<Response, FrontError> {
+        let messages = openai::chat_messages(body)?;
+        let tools = openai::tools(body)?;
+        self.complete(headers, body, chat_input(&self.config, &messages, tools), (Kind::Chat, dialect)).await
+    }
+
     /// Admits a request (or answers 429) and serves it within
     /// `front.request_timeout` (or answers 504; dropping the unfinished work
     /// cancels its bridge and its generation).
@@ -179,7 +202,7 @@ impl Front {
         headers: &HeaderMap,
         body: &Value,
         input: TokenizeInput<'_>,
-        kind: Kind,
+        api: (Kind, Dialect),
     ) -> Result<Response, FrontError> {
         // A client asking for another model must not be answered by this one.
         if let Some(asked) = body.get("model").and_then(Value::as_str).filter(|m| *m != self.config.model_name) {
@@ -191,7 +214,7 @@ impl Front {
             .try_acquire_owned()
             .map_err(|_| FrontError::Overloaded { limit: self.config.max_pending_requests })?;
         let deadline = Instant::now() + self.config.request_timeout;
-        let served = self.serve(headers, body, input, kind, Admitted { permit: admitted, deadline });
+        let served = self.serve(headers, body, input, api, Admitted { permit: admitted, deadline });
         tokio::time::timeout_at(deadline, served).await.unwrap_or(Err(FrontError::Timeout(self.config.request_timeout)))
     }
 
@@ -201,7 +224,7 @@ impl Front {
         headers: &HeaderMap,
         body: &Value,
         input: TokenizeInput<'_>,
-        kind: Kind,
+        (kind, dialect): (Kind, Dialect),
         admitted: Admitted,
     ) -> Result<Response, FrontError> {
         let started = Instant::now();
@@ -234,7 +257,7 @@ impl Front {
         let names = Names::new(self.config.model_name.clone());
         let stream = choices.sampling.stream;
         let answers = Answers { kind, started, verdict, choices, lease, first: Some(first) };
-        if stream { Ok(answers.stream(names, admitted)) } else { answers.collect(&names).await }
+        if stream { Ok(answers.stream(names, admitted, dialect)) } else { answers.collect(&names, dialect).await }
     }
 
     /// Plans the prompt, leases its blocks and starts its first answer. A block the adapter finds

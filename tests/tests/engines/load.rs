@@ -273,42 +273,45 @@ async fn stop_sequences_end_answers_before_them() {
     assert_eq!(chunks.last().unwrap()["choices"][0]["finish_reason"], "stop");
 }
 
-/// OpenAI's own Python SDK against the front door (behind an API key): models, chat, streaming
-/// with and without the usage chunk, completions (`echo` and `suffix` refused by name), the
-/// context-length error's code, `stop`, list-form content, logprobs (chat, streamed, legacy), a
-/// reproducible seed, penalties, `n` answers (streamed too), and the errors it raises as its own
-/// exception types. None of it depends on what the model says: the generated Llama 3 answers
-/// (SmolLM2's tokenizer and chat template, ~100x faster on this CPU).
+/// The official SDKs against the front door (behind an API key). OpenAI's: models, chat,
+/// streaming with and without the usage chunk, completions (`echo` and `suffix` refused by name),
+/// the context-length error's code, `stop`, list-form content, logprobs (chat, streamed, legacy),
+/// a reproducible seed, penalties, `n` answers (streamed too), its exception types; the Responses
+/// API whole and as typed events, a function call's output, `previous_response_id` refused.
+/// Anthropic's: messages whole and streamed, `stop_sequences`, `system`, usage, errors in its
+/// shape. None of it depends on what the model says: the generated Llama 3 answers (SmolLM2's
+/// tokenizer and chat template, ~100x faster on this CPU).
 #[tokio::test]
-async fn the_openai_sdk_is_answered_as_openai_answers() {
-    let said = openai_sdk_checks(Engines::family("llama3"), "", "api").await;
-    assert_eq!(said.lines().filter(|l| l.starts_with("ok ")).count(), 21, "{said}");
+async fn the_official_sdks_are_answered_as_their_apis_answer() {
+    let said = sdk_checks(Engines::family("llama3"), "", "chat,responses,messages").await;
+    assert_eq!(said.lines().filter(|l| l.starts_with("ok ")).count(), 32, "{said}");
 }
 
-/// Tool calls SmolLM2 makes, through the SDK: parsed, streamed too, never shown as text (decoded
-/// serves a chat template that renders tools).
+/// Tool calls SmolLM2 makes, through the SDKs: parsed, never shown as text, in chat (streamed
+/// too), Responses and Anthropic's Messages (streamed); decoded serves a chat template that
+/// renders tools.
 #[tokio::test]
-async fn tool_calls_the_model_makes_reach_the_sdk_parsed() {
+async fn tool_calls_the_model_makes_reach_the_sdks_parsed() {
     let template = pdbridge_tests::workspace_root().join("deploy/templates/smollm2-tools.jinja");
-    let said = openai_sdk_checks(Engines::locate(), &format!("chat_template = {template:?}\n"), "tool-calls").await;
-    assert_eq!(said.lines().filter(|l| l.starts_with("ok ")).count(), 2, "{said}");
+    let said = sdk_checks(Engines::locate(), &format!("chat_template = {template:?}\n"), "tool-calls").await;
+    assert_eq!(said.lines().filter(|l| l.starts_with("ok ")).count(), 4, "{said}");
 }
 
-/// `tests/sdk/openai_sdk.py --checks checks` against decoded on `engines` (its `[engine]` given
+/// `tests/sdk/clients.py --checks checks` against decoded on `engines` (its `[engine]` given
 /// `engine_keys`) behind an API key; what the script said, once it passed.
-async fn openai_sdk_checks(engines: Engines, engine_keys: &str, checks: &str) -> String {
+async fn sdk_checks(engines: Engines, engine_keys: &str, checks: &str) -> String {
     let scratch = Scratch::new("sdk");
     let key = "sk-sdk-test-4f1c";
     let front = format!("api_keys = [{key:?}]\nmodel_name = \"smollm2\"\n");
     let decoded = decoded_on(&engines, &scratch, engine_keys, &front).await;
-    let script = pdbridge_tests::workspace_root().join("tests/sdk/openai_sdk.py");
+    let script = pdbridge_tests::workspace_root().join("tests/sdk/clients.py");
     let output = tokio::process::Command::new(&engines.python)
         .arg(script)
         .args(["--url", &format!("http://{}", decoded.front.unwrap()), "--model", "smollm2", "--api-key", key])
         .args(["--checks", checks])
         .output()
         .await
-        .expect("run the SDK script");
+        .expect("run the SDKs' script");
     let said = format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
     assert!(output.status.success(), "{said}\ndecoded's log:\n{}", decoded.log_text());
     said

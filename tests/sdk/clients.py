@@ -1,11 +1,13 @@
-"""The front door as OpenAI's own Python SDK uses it (the `openai` package vLLM installs).
+"""The front door as the official SDKs use it: OpenAI's `openai` (chat, completions, responses)
+and Anthropic's `anthropic` (messages), both of which vLLM installs.
 
-    .venv/bin/python tests/sdk/openai_sdk.py --url http://127.0.0.1:8080 --model smollm2 --api-key KEY [--checks api]
+    .venv/bin/python tests/sdk/clients.py --url http://127.0.0.1:8080 --model smollm2 --api-key KEY \
+        [--checks chat,responses,messages,tool-calls]
 
-Run by the end-to-end tests against a real decoded: `load::the_openai_sdk_is_answered_as_openai_answers`
-(`--checks api`, on a generated checkpoint) and `load::tool_calls_the_model_makes_reach_the_sdk_parsed`
-(`--checks tool-calls`, on SmolLM2). Exits non-zero with the failed check's message; prints one line
-per check that passed.
+Run by the end-to-end tests against a real decoded: `load::the_official_sdks_are_answered_as_their_apis_answer`
+(chat, responses and messages, on a generated checkpoint) and
+`load::tool_calls_the_model_makes_reach_the_sdks_parsed` (tool-calls, on SmolLM2). Exits non-zero with
+the failed check's message; prints one line per check that passed.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import json
 import sys
 from typing import Callable
 
+import anthropic
 import openai
 
 CHAT = [{"role": "user", "content": "Name three colours, then count from one to ten."}]
@@ -37,8 +40,9 @@ def weather_chat(city: str) -> list[dict]:
 Check = Callable[..., None]
 
 
-def api_checks(client: openai.OpenAI, model: str, url: str, check: Check) -> None:
-    """What the front door answers whatever the model: shapes, streaming, parameters, errors."""
+def chat_checks(client: openai.OpenAI, model: str, url: str, check: Check) -> str:
+    """Chat and completions as the front door answers them whatever the model: shapes, streaming,
+    parameters, errors. Returns the chat's greedy answer to CHAT (12 tokens)."""
     check("models", [m.id for m in client.models.list().data] == [model])
 
     whole = client.chat.completions.create(model=model, messages=CHAT, max_tokens=12, temperature=0)
@@ -138,11 +142,84 @@ def api_checks(client: openai.OpenAI, model: str, url: str, check: Check) -> Non
         check("wrong key", False, "answered")
     except openai.AuthenticationError as e:
         check("wrong key", e.code == "invalid_api_key", e)
+    return answer
 
 
-def tool_call_checks(client: openai.OpenAI, model: str, check: Check) -> None:
+def responses_checks(client: openai.OpenAI, model: str, answer: str, check: Check) -> None:
+    """OpenAI's Responses API: the chat's answer, whole and as typed events; a conversation with a
+    function call's output; what a stateless server refuses."""
+    text = CHAT[0]["content"]
+    whole = client.responses.create(model=model, input=text, max_output_tokens=12, temperature=0)
+    check("responses", whole.output_text == answer and whole.status in ("completed", "incomplete")
+          and whole.usage.output_tokens > 0, whole)
+    deltas, kinds = [], []
+    with client.responses.stream(model=model, input=text, max_output_tokens=12, temperature=0) as events:
+        for event in events:
+            kinds.append(event.type)
+            if event.type == "response.output_text.delta":
+                deltas.append(event.delta)
+        final = events.get_final_response()
+    check("responses stream", "".join(deltas) == answer and final.output_text == answer
+          and kinds[0] == "response.created" and kinds[-1] in ("response.completed", "response.incomplete")
+          and final.usage.output_tokens == whole.usage.output_tokens, (kinds, final))
+    conversation = [
+        {"role": "user", "content": "What is the weather in Oslo?"},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Oslo"}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": "Sunny, 21 C."},
+    ]
+    after_call = client.responses.create(model=model, input=conversation, instructions="Answer in one line.",
+                                         max_output_tokens=6, temperature=0)
+    check("responses with a call's output", after_call.output_text != "" and after_call.usage.input_tokens > 0,
+          after_call)
+    try:
+        client.responses.create(model=model, input=text, previous_response_id="resp_earlier")
+        check("responses previous_response_id", False, "answered")
+    except openai.BadRequestError as e:
+        check("responses previous_response_id", "previous_response_id" in str(e), e)
+
+
+def messages_checks(url: str, api_key: str, model: str, answer: str, check: Check) -> None:
+    """Anthropic's Messages API through its own SDK (its `x-api-key` header): the chat's answer,
+    whole and streamed, a stop sequence, usage, and errors as its exception types."""
+    client = anthropic.Anthropic(base_url=url, api_key=api_key, max_retries=0, timeout=600)
+    whole = client.messages.create(model=model, messages=CHAT, max_tokens=12, temperature=0)
+    check("messages", [b.type for b in whole.content] == ["text"] and whole.content[0].text == answer
+          and whole.stop_reason in ("end_turn", "max_tokens") and whole.usage.output_tokens > 0, whole)
+    with client.messages.stream(model=model, messages=CHAT, max_tokens=12, temperature=0) as stream:
+        streamed = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    check("messages stream", streamed == answer and final.content[0].text == answer
+          and final.usage.output_tokens == whole.usage.output_tokens
+          and final.usage.input_tokens == whole.usage.input_tokens, final)
+    stop = answer[len(answer) // 2:len(answer) // 2 + 3]
+    cut = client.messages.create(model=model, messages=CHAT, max_tokens=12, temperature=0, stop_sequences=[stop])
+    check("messages stop_sequences", answer.startswith(cut.content[0].text) and stop not in cut.content[0].text
+          and (cut.stop_reason, cut.stop_sequence) == ("stop_sequence", stop), (stop, cut))
+    system = client.messages.create(model=model, system="Answer in French.", messages=CHAT, max_tokens=4)
+    as_chat = openai.OpenAI(base_url=f"{url}/v1", api_key=api_key, max_retries=0).chat.completions.create(
+        model=model, messages=[{"role": "system", "content": "Answer in French."}, *CHAT], max_tokens=4)
+    check("messages system", system.usage.input_tokens == as_chat.usage.prompt_tokens, (system.usage, as_chat.usage))
+    try:
+        client.messages.create(model=model, messages=CHAT, max_tokens=4, top_k=5)
+        check("messages top_k refused", False, "answered")
+    except anthropic.BadRequestError as e:
+        check("messages top_k refused", "top_k" in str(e) and e.body["error"]["type"] == "invalid_request_error", e)
+    try:
+        anthropic.Anthropic(base_url=url, api_key="sk-wrong", max_retries=0).messages.create(
+            model=model, messages=CHAT, max_tokens=4)
+        check("messages wrong key", False, "answered")
+    except anthropic.AuthenticationError as e:
+        check("messages wrong key", e.status_code == 401, e)
+    try:
+        client.messages.create(model="claude-opus", messages=CHAT, max_tokens=4)
+        check("messages unknown model", False, "answered")
+    except anthropic.NotFoundError as e:
+        check("messages unknown model", e.body["error"]["type"] == "not_found_error", e)
+
+
+def tool_call_checks(client: openai.OpenAI, model: str, url: str, api_key: str, check: Check) -> None:
     """Tool calls the model makes (decoded serves a chat template that renders tools): parsed,
-    never shown as text. Needs a model that calls tools when asked as the chat shows it."""
+    never shown as text, in each API. Needs a model that calls tools when asked as the chat shows it."""
     called = client.chat.completions.create(model=model, messages=weather_chat("Paris"), tools=WEATHER,
                                             max_tokens=40, temperature=0)
     choice = called.choices[0]
@@ -159,15 +236,47 @@ def tool_call_checks(client: openai.OpenAI, model: str, check: Check) -> None:
                                                           for d in deltas] == [(0, "get_weather", {"city": "Oslo"})],
           (deltas, finish))
 
+    # The same conversation in the Responses API's items, and in Anthropic's blocks, streamed.
+    items = []
+    for turn in weather_chat("Rome")[:-1]:
+        for call in turn.get("tool_calls") or []:
+            items.append({"type": "function_call", "call_id": call["id"], **call["function"]})
+        if turn["role"] == "user":
+            items.append(turn)
+    items.append({"role": "user", "content": "What is the weather in Lima?"})
+    tools = [{"type": "function", **tool["function"]} for tool in WEATHER]
+    response = client.responses.create(model=model, input=items, tools=tools, max_output_tokens=40, temperature=0)
+    made = [(o.type, o.name, json.loads(o.arguments)) for o in response.output]
+    check("responses tool call", made == [("function_call", "get_weather", {"city": "Lima"})], response)
+
+    turns = []
+    for turn in weather_chat("Kyiv"):
+        if turn["role"] == "assistant":
+            turns.append({"role": "assistant", "content": [
+                {"type": "tool_use", "id": c["id"], "name": c["function"]["name"],
+                 "input": json.loads(c["function"]["arguments"])} for c in turn["tool_calls"]]})
+        else:
+            turns.append(turn)
+    claude = anthropic.Anthropic(base_url=url, api_key=api_key, max_retries=0, timeout=600)
+    tool = {"name": WEATHER[0]["function"]["name"], "description": WEATHER[0]["function"]["description"],
+            "input_schema": WEATHER[0]["function"]["parameters"]}
+    with claude.messages.stream(model=model, messages=turns, tools=[tool], max_tokens=40, temperature=0) as stream:
+        final = stream.get_final_message()
+    used = [(b.type, b.name, b.input) for b in final.content if b.type == "tool_use"]
+    check("messages tool use stream", used == [("tool_use", "get_weather", {"city": "Kyiv"})]
+          and final.stop_reason == "tool_use", final)
+
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--url", required=True)
     p.add_argument("--model", required=True)
     p.add_argument("--api-key", required=True)
-    p.add_argument("--checks", choices=("all", "api", "tool-calls"), default="all",
-                   help="api: what the front door answers whatever the model; tool-calls: calls the model makes")
+    p.add_argument("--checks", default="chat,responses,messages,tool-calls",
+                   help="comma-separated: chat, responses, messages (whatever the model says), tool-calls "
+                        "(calls the model makes)")
     args = p.parse_args()
+    checks = set(args.checks.split(","))
     client = openai.OpenAI(base_url=f"{args.url}/v1", api_key=args.api_key, max_retries=0, timeout=600)
 
     def check(name: str, ok: bool, detail: object = "") -> None:
@@ -175,10 +284,14 @@ def main() -> None:
             sys.exit(f"FAIL {name}: {detail}")
         print(f"ok   {name}")
 
-    if args.checks in ("all", "api"):
-        api_checks(client, args.model, args.url, check)
-    if args.checks in ("all", "tool-calls"):
-        tool_call_checks(client, args.model, check)
+    if checks & {"chat", "responses", "messages"}:
+        answer = chat_checks(client, args.model, args.url, check)
+        if "responses" in checks:
+            responses_checks(client, args.model, answer, check)
+        if "messages" in checks:
+            messages_checks(args.url, args.api_key, args.model, answer, check)
+    if "tool-calls" in checks:
+        tool_call_checks(client, args.model, args.url, args.api_key, check)
 
 if __name__ == "__main__":
     main()
