@@ -152,13 +152,16 @@ def responses_checks(client: openai.OpenAI, model: str, answer: str, check: Chec
     whole = client.responses.create(model=model, input=text, max_output_tokens=12, temperature=0)
     check("responses", whole.output_text == answer and whole.status in ("completed", "incomplete")
           and whole.usage.output_tokens > 0, whole)
-    deltas, kinds = [], []
+    deltas, kinds, final = [], [], None
+    # `response.incomplete` ends the stream when `max_output_tokens` cut the answer, as OpenAI's
+    # does (the SDK's helper only finalizes `response.completed`): read the events as they come.
     with client.responses.stream(model=model, input=text, max_output_tokens=12, temperature=0) as events:
         for event in events:
             kinds.append(event.type)
             if event.type == "response.output_text.delta":
                 deltas.append(event.delta)
-        final = events.get_final_response()
+            if event.type in ("response.completed", "response.incomplete"):
+                final = event.response
     check("responses stream", "".join(deltas) == answer and final.output_text == answer
           and kinds[0] == "response.created" and kinds[-1] in ("response.completed", "response.incomplete")
           and final.usage.output_tokens == whole.usage.output_tokens, (kinds, final))
@@ -180,19 +183,21 @@ def responses_checks(client: openai.OpenAI, model: str, answer: str, check: Chec
 
 def messages_checks(url: str, api_key: str, model: str, answer: str, check: Check) -> None:
     """Anthropic's Messages API through its own SDK (its `x-api-key` header): the chat's answer,
-    whole and streamed, a stop sequence, usage, and errors as its exception types."""
+    whole and streamed, a stop sequence, usage, and errors as its exception types. The SDK no longer
+    offers `temperature`; the API's older clients send it, so greedy answers ask for it that way."""
     client = anthropic.Anthropic(base_url=url, api_key=api_key, max_retries=0, timeout=600)
-    whole = client.messages.create(model=model, messages=CHAT, max_tokens=12, temperature=0)
+    greedy = {"extra_body": {"temperature": 0}}
+    whole = client.messages.create(model=model, messages=CHAT, max_tokens=12, **greedy)
     check("messages", [b.type for b in whole.content] == ["text"] and whole.content[0].text == answer
           and whole.stop_reason in ("end_turn", "max_tokens") and whole.usage.output_tokens > 0, whole)
-    with client.messages.stream(model=model, messages=CHAT, max_tokens=12, temperature=0) as stream:
+    with client.messages.stream(model=model, messages=CHAT, max_tokens=12, **greedy) as stream:
         streamed = "".join(stream.text_stream)
         final = stream.get_final_message()
     check("messages stream", streamed == answer and final.content[0].text == answer
           and final.usage.output_tokens == whole.usage.output_tokens
           and final.usage.input_tokens == whole.usage.input_tokens, final)
     stop = answer[len(answer) // 2:len(answer) // 2 + 3]
-    cut = client.messages.create(model=model, messages=CHAT, max_tokens=12, temperature=0, stop_sequences=[stop])
+    cut = client.messages.create(model=model, messages=CHAT, max_tokens=12, stop_sequences=[stop], **greedy)
     check("messages stop_sequences", answer.startswith(cut.content[0].text) and stop not in cut.content[0].text
           and (cut.stop_reason, cut.stop_sequence) == ("stop_sequence", stop), (stop, cut))
     system = client.messages.create(model=model, system="Answer in French.", messages=CHAT, max_tokens=4)
@@ -200,7 +205,7 @@ def messages_checks(url: str, api_key: str, model: str, answer: str, check: Chec
         model=model, messages=[{"role": "system", "content": "Answer in French."}, *CHAT], max_tokens=4)
     check("messages system", system.usage.input_tokens == as_chat.usage.prompt_tokens, (system.usage, as_chat.usage))
     try:
-        client.messages.create(model=model, messages=CHAT, max_tokens=4, top_k=5)
+        client.messages.create(model=model, messages=CHAT, max_tokens=4, extra_body={"top_k": 5})
         check("messages top_k refused", False, "answered")
     except anthropic.BadRequestError as e:
         check("messages top_k refused", "top_k" in str(e) and e.body["error"]["type"] == "invalid_request_error", e)
@@ -260,7 +265,8 @@ def tool_call_checks(client: openai.OpenAI, model: str, url: str, api_key: str, 
     claude = anthropic.Anthropic(base_url=url, api_key=api_key, max_retries=0, timeout=600)
     tool = {"name": WEATHER[0]["function"]["name"], "description": WEATHER[0]["function"]["description"],
             "input_schema": WEATHER[0]["function"]["parameters"]}
-    with claude.messages.stream(model=model, messages=turns, tools=[tool], max_tokens=40, temperature=0) as stream:
+    with claude.messages.stream(model=model, messages=turns, tools=[tool], max_tokens=40,
+                                extra_body={"temperature": 0}) as stream:
         final = stream.get_final_message()
     used = [(b.type, b.name, b.input) for b in final.content if b.type == "tool_use"]
     check("messages tool use stream", used == [("tool_use", "get_weather", {"city": "Kyiv"})]
