@@ -1,5 +1,6 @@
-//! The daemons on the real engines (vLLM for prefill, mlx-lm for decode): one
-//! at a time (the `engines` test group), minutes in all; the engines tier.
+//! The daemons on the real engines (vLLM for prefill, mlx-lm for decode): in two
+//! lanes of one test at a time (the `vllm` and `decoder` test groups), minutes in
+//! all; the engines tier.
 
 mod answers;
 mod bridge;
