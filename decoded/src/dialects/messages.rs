@@ -4,16 +4,8 @@
 
 use serde_json::{Value, json};
 
-use super::{Said, SseEvent, call_parts, content_text, usage_parts};
+use super::{Said, SseEvent, call_parts, chat_tools, chat_with, content_text, field, invalid, usage_parts};
 use crate::openai::InvalidRequest;
-
-fn invalid(message: impl Into<String>) -> InvalidRequest {
-    InvalidRequest(message.into())
-}
-
-fn field<'a>(body: &'a Value, key: &str) -> Option<&'a Value> {
-    body.get(key).filter(|v| !v.is_null())
-}
 
 /// The chat request a Messages request asks for (checked further as any chat request is).
 pub fn chat_request(body: &Value) -> Result<Value, InvalidRequest> {
@@ -27,17 +19,15 @@ pub fn chat_request(body: &Value) -> Result<Value, InvalidRequest> {
     for (i, turn) in turns.iter().enumerate() {
         chat_turn(i, turn, &mut messages)?;
     }
-    let mut chat = json!({"messages": messages, "max_tokens": max_tokens});
-    for key in ["model", "temperature", "top_p", "stream"] {
-        if let Some(value) = field(body, key) {
-            chat[key] = value.clone();
-        }
-    }
+    let mut chat = chat_with(body, messages, &["model", "temperature", "top_p", "stream"]);
+    chat["max_tokens"] = max_tokens.clone();
     if let Some(stop) = field(body, "stop_sequences") {
         chat["stop"] = stop.clone();
     }
     if let Some(tools) = field(body, "tools") {
-        chat["tools"] = chat_tools(tools)?;
+        // Anthropic's client tools have no type or "custom"; its server tools another.
+        let client_tool = |kind: Option<&str>| matches!(kind, None | Some("custom"));
+        chat["tools"] = chat_tools(tools, client_tool, "input_schema", "client tools")?;
     }
     if let Some(choice) = field(body, "tool_choice") {
         chat["tool_choice"] = match choice.get("type").and_then(Value::as_str) {
@@ -46,10 +36,6 @@ pub fn chat_request(body: &Value) -> Result<Value, InvalidRequest> {
             // Forcing a call: refused by the chat checks, which say why.
             _ => json!("required"),
         };
-    }
-    if chat["stream"] == true {
-        // The usage chunk ends the chat stream: `message_delta` carries it.
-        chat["stream_options"] = json!({"include_usage": true});
     }
     Ok(chat)
 }
@@ -111,29 +97,6 @@ fn chat_turn(i: usize, turn: &Value, messages: &mut Vec<Value>) -> Result<(), In
         messages.push(json!({"role": role, "content": text}));
     }
     Ok(())
-}
-
-/// Anthropic's client tools (`{"name", "description", "input_schema"}`) as chat's function tools;
-/// Anthropic's server tools (another `type`) are refused.
-fn chat_tools(tools: &Value) -> Result<Value, InvalidRequest> {
-    let list = tools.as_array().ok_or_else(|| invalid("`tools` must be an array"))?;
-    list.iter()
-        .enumerate()
-        .map(|(i, tool)| match tool.get("type").and_then(Value::as_str) {
-            None | Some("custom") => {
-                let mut function = json!({"name": tool.get("name").cloned().unwrap_or(Value::Null)});
-                if let Some(description) = field(tool, "description") {
-                    function["description"] = description.clone();
-                }
-                if let Some(schema) = field(tool, "input_schema") {
-                    function["parameters"] = schema.clone();
-                }
-                Ok(json!({"type": "function", "function": function}))
-            }
-            Some(other) => Err(invalid(format!("`tools[{i}]` is a {other:?} tool; only client tools are supported"))),
-        })
-        .collect::<Result<Vec<_>, _>>()
-        .map(Value::Array)
 }
 
 /// Why the answer stopped, in Anthropic's words, and the stop sequence when one did.
@@ -286,7 +249,6 @@ impl super::Stream for Events {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::dialects::Stream;
 
     #[test]
     fn turns_with_tool_use_and_results_become_the_chat_they_are() {
@@ -353,21 +315,7 @@ mod tests {
 
     #[test]
     fn a_streamed_answer_is_told_in_content_blocks() {
-        let mut events = Events::default();
-        let chunk = |delta: Value, finish: Option<&str>| json!({"id": "chatcmpl-1", "model": "m", "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]});
-        let call = json!({"id": "t1", "type": "function", "function": {"name": "f", "arguments": "{\"a\":1}"}});
-        let usage = json!({"prompt_tokens": 10, "completion_tokens": 4, "prompt_tokens_details": {"cached_tokens": 8}});
-        let mut got = Vec::new();
-        for c in [
-            chunk(json!({"content": "Let me "}), None),
-            chunk(json!({"content": "look."}), None),
-            chunk(json!({"tool_calls": [call]}), None),
-            chunk(json!({}), Some("tool_calls")),
-            json!({"id": "chatcmpl-1", "model": "m", "choices": [], "usage": usage}),
-        ] {
-            got.extend(events.chunk(&c));
-        }
-        got.extend(events.end());
+        let got = crate::dialects::told(&mut Events::default());
         let names: Vec<&str> = got.iter().map(|e| e.name).collect();
         assert_eq!(
             names,
@@ -384,7 +332,7 @@ mod tests {
                 "message_stop",
             ]
         );
-        assert_eq!(got[5].data["content_block"], json!({"type": "tool_use", "id": "t1", "name": "f", "input": {}}));
+        assert_eq!(got[5].data["content_block"], json!({"type": "tool_use", "id": "c1", "name": "f", "input": {}}));
         assert_eq!(got[6].data["delta"], json!({"type": "input_json_delta", "partial_json": "{\"a\":1}"}));
         assert_eq!(got[8].data["delta"]["stop_reason"], "tool_use");
         assert_eq!(

@@ -7,7 +7,9 @@
 pub mod messages;
 pub mod responses;
 
-use serde_json::Value;
+use serde_json::{Value, json};
+
+use crate::openai::InvalidRequest;
 
 /// The API a chat request came in on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -58,6 +60,80 @@ impl Dialect {
     }
 }
 
+fn invalid(message: impl Into<String>) -> InvalidRequest {
+    InvalidRequest(message.into())
+}
+
+/// A request's field, `null` as absent.
+fn field<'a>(body: &'a Value, key: &str) -> Option<&'a Value> {
+    body.get(key).filter(|v| !v.is_null())
+}
+
+/// The chat request of `messages` with the fields `copied` from `body` as they are; a stream
+/// ends with the usage chunk, which the API's last event carries.
+fn chat_with(body: &Value, messages: Vec<Value>, copied: &[&str]) -> Value {
+    let mut chat = json!({"messages": messages});
+    for key in copied {
+        if let Some(value) = field(body, key) {
+            chat[*key] = value.clone();
+        }
+    }
+    if chat["stream"] == true {
+        chat["stream_options"] = json!({"include_usage": true});
+    }
+    chat
+}
+
+/// `tools` as chat's function tools: each tool whose `type` `is_function` says is a client
+/// function (its name, description and, under `schema`, its arguments' JSON schema); any other is
+/// refused, `offered` naming what is supported.
+fn chat_tools(
+    tools: &Value,
+    is_function: impl Fn(Option<&str>) -> bool,
+    schema: &str,
+    offered: &str,
+) -> Result<Value, InvalidRequest> {
+    let list = tools.as_array().ok_or_else(|| invalid("`tools` must be an array"))?;
+    let function = |(i, tool): (usize, &Value)| {
+        let kind = tool.get("type").and_then(Value::as_str);
+        if !is_function(kind) {
+            return Err(invalid(format!("`tools[{i}]` is a {kind:?} tool; only {offered} are supported")));
+        }
+        let mut function = json!({"name": tool.get("name").cloned().unwrap_or(Value::Null)});
+        for (from, to) in [("description", "description"), (schema, "parameters")] {
+            if let Some(value) = field(tool, from) {
+                function[to] = value.clone();
+            }
+        }
+        Ok(json!({"type": "function", "function": function}))
+    };
+    list.iter().enumerate().map(function).collect::<Result<Vec<_>, _>>().map(Value::Array)
+}
+
+/// One streamed chat answer, told by a dialect's translator: "Hel" and "lo", then a call of `f`
+/// with `{"a":1}` that ends it, then its usage (10 prompt tokens, 8 of them cached, 4 generated).
+#[cfg(test)]
+fn told(stream: &mut dyn Stream) -> Vec<SseEvent> {
+    let chunk = |delta: Value, finish: Option<&str>| {
+        json!({"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 7, "model": "m",
+               "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
+    };
+    let call = json!({"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{\"a\":1}"}, "index": 0});
+    let usage = json!({"prompt_tokens": 10, "completion_tokens": 4, "prompt_tokens_details": {"cached_tokens": 8}});
+    let mut events = Vec::new();
+    for c in [
+        chunk(json!({"content": "Hel"}), None),
+        chunk(json!({"content": "lo"}), None),
+        chunk(json!({"tool_calls": [call]}), None),
+        chunk(json!({}), Some("tool_calls")),
+        json!({"id": "chatcmpl-1", "created": 7, "model": "m", "choices": [], "usage": usage}),
+    ] {
+        events.extend(stream.chunk(&c));
+    }
+    events.extend(stream.end());
+    events
+}
+
 /// What a chat answer's chunk or message says, read once for every dialect.
 struct Said<'a> {
     text: &'a str,
@@ -94,8 +170,8 @@ fn usage_parts(usage: &Value) -> (u64, u64, u64) {
 
 /// The text of a message's content: a string, or the concatenated `text` of its parts of the
 /// given types (any other part is refused by name).
-fn content_text(content: &Value, at: &str, text_types: &[&str]) -> Result<String, crate::openai::InvalidRequest> {
-    let invalid = |part: String, what: &str| crate::openai::InvalidRequest(format!("`{at}{part}`{what}"));
+fn content_text(content: &Value, at: &str, text_types: &[&str]) -> Result<String, InvalidRequest> {
+    let invalid = |part: String, what: &str| InvalidRequest(format!("`{at}{part}`{what}"));
     match content {
         Value::String(text) => Ok(text.clone()),
         Value::Array(parts) => {

@@ -4,16 +4,8 @@
 
 use serde_json::{Value, json};
 
-use super::{Said, SseEvent, call_parts, content_text, usage_parts};
+use super::{Said, SseEvent, call_parts, chat_tools, chat_with, content_text, field, invalid, usage_parts};
 use crate::openai::InvalidRequest;
-
-fn invalid(message: impl Into<String>) -> InvalidRequest {
-    InvalidRequest(message.into())
-}
-
-fn field<'a>(body: &'a Value, key: &str) -> Option<&'a Value> {
-    body.get(key).filter(|v| !v.is_null())
-}
 
 /// The chat request a Responses request asks for (checked further as any chat request is).
 pub fn chat_request(body: &Value) -> Result<Value, InvalidRequest> {
@@ -32,21 +24,12 @@ pub fn chat_request(body: &Value) -> Result<Value, InvalidRequest> {
         }
         _ => return Err(invalid("`input` must be a string or a list of input items")),
     }
-    let mut chat = json!({"messages": messages});
-    for key in ["model", "temperature", "top_p", "stream", "tool_choice"] {
-        if let Some(value) = field(body, key) {
-            chat[key] = value.clone();
-        }
-    }
+    let mut chat = chat_with(body, messages, &["model", "temperature", "top_p", "stream", "tool_choice"]);
     if let Some(max) = field(body, "max_output_tokens") {
         chat["max_tokens"] = max.clone();
     }
     if let Some(tools) = field(body, "tools") {
-        chat["tools"] = chat_tools(tools)?;
-    }
-    if chat["stream"] == true {
-        // The usage chunk ends the chat stream: `response.completed` carries it.
-        chat["stream_options"] = json!({"include_usage": true});
+        chat["tools"] = chat_tools(tools, |kind| kind == Some("function"), "parameters", "function tools")?;
     }
     Ok(chat)
 }
@@ -108,28 +91,6 @@ fn input_item(i: usize, item: &Value, messages: &mut Vec<Value>) -> Result<(), I
         }
     }
     Ok(())
-}
-
-/// Responses' function tools (`{"type": "function", "name", "description", "parameters"}`) as
-/// chat's (`{"type": "function", "function": {...}}`); other kinds of tool are refused.
-fn chat_tools(tools: &Value) -> Result<Value, InvalidRequest> {
-    let list = tools.as_array().ok_or_else(|| invalid("`tools` must be an array"))?;
-    list.iter()
-        .enumerate()
-        .map(|(i, tool)| match tool.get("type").and_then(Value::as_str) {
-            Some("function") => {
-                let mut function = json!({"name": tool.get("name").cloned().unwrap_or(Value::Null)});
-                for key in ["description", "parameters"] {
-                    if let Some(value) = field(tool, key) {
-                        function[key] = value.clone();
-                    }
-                }
-                Ok(json!({"type": "function", "function": function}))
-            }
-            other => Err(invalid(format!("`tools[{i}]` is a {other:?} tool; only function tools are supported"))),
-        })
-        .collect::<Result<Vec<_>, _>>()
-        .map(Value::Array)
 }
 
 /// A whole chat completion as a response.
@@ -332,7 +293,6 @@ impl super::Stream for Events {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::dialects::Stream;
 
     #[test]
     fn a_conversation_with_calls_becomes_the_chat_it_is() {
@@ -383,27 +343,9 @@ mod tests {
         }
     }
 
-    fn chat_chunk(delta: Value, finish: Option<&str>) -> Value {
-        json!({"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 7, "model": "m",
-               "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
-    }
-
     #[test]
     fn a_streamed_answer_is_told_in_typed_events_in_order() {
-        let mut events = Events::default();
-        let call = json!({"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}, "index": 0});
-        let usage = json!({"prompt_tokens": 5, "completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 4}});
-        let mut got = Vec::new();
-        for chunk in [
-            chat_chunk(json!({"content": "Hel"}), None),
-            chat_chunk(json!({"content": "lo"}), None),
-            chat_chunk(json!({"tool_calls": [call]}), None),
-            chat_chunk(json!({}), Some("tool_calls")),
-            json!({"id": "chatcmpl-1", "created": 7, "model": "m", "choices": [], "usage": usage}),
-        ] {
-            got.extend(events.chunk(&chunk));
-        }
-        got.extend(events.end());
+        let got = crate::dialects::told(&mut Events::default());
         let names: Vec<&str> = got.iter().map(|e| e.name).collect();
         assert_eq!(
             names,
@@ -427,8 +369,11 @@ mod tests {
         assert!(got.iter().enumerate().all(|(i, e)| e.data["sequence_number"] == i && e.data["type"] == e.name));
         let done = &got.last().unwrap().data["response"];
         assert_eq!(done["output"][0]["content"][0]["text"], "Hello");
-        assert_eq!((&done["output"][1]["call_id"], &done["output"][1]["arguments"]), (&json!("c1"), &json!("{}")));
-        assert_eq!(done["usage"]["input_tokens_details"]["cached_tokens"], 4);
+        assert_eq!(
+            (&done["output"][1]["call_id"], &done["output"][1]["arguments"]),
+            (&json!("c1"), &json!("{\"a\":1}"))
+        );
+        assert_eq!(done["usage"]["input_tokens_details"]["cached_tokens"], 8);
         assert_eq!(done["id"], "resp-1");
     }
 
