@@ -224,13 +224,8 @@ def messages_checks(url: str, api_key: str, model: str, answer: str, check: Chec
 
 def tool_call_checks(client: openai.OpenAI, model: str, url: str, api_key: str, check: Check) -> None:
     """Tool calls the model makes (decoded serves a chat template that renders tools): parsed,
-    never shown as text, in each API. Needs a model that calls tools when asked as the chat shows it."""
-    called = client.chat.completions.create(model=model, messages=weather_chat("Paris"), tools=WEATHER,
-                                            max_tokens=40, temperature=0)
-    choice = called.choices[0]
-    calls = [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls or []]
-    check("tool call", choice.finish_reason == "tool_calls" and calls == [("get_weather", {"city": "Paris"})]
-          and not choice.message.content, called)
+    never shown as text, in each API: chat streamed, Responses whole, Messages streamed. Needs a model that calls tools when asked as the chat shows it."""
+    # Chat's whole answer with calls is what the Responses API's answer below is made from.
     deltas, finish = [], None
     for chunk in client.chat.completions.create(model=model, messages=weather_chat("Oslo"), tools=WEATHER,
                                                 max_tokens=40, temperature=0, stream=True):
