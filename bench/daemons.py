@@ -95,11 +95,13 @@ def decoded_toml(run: Path, ports: dict, model: str, prefillers: list[int], deco
     listening on `prefillers` (gRPC ports; several are listed as `[[front.prefillers]]`).
     `decoder`: extra `[engine]` keys (dtype, kv_bits, …, then possibly `[engine.env]`);
     `decoder_model`: the decoder's model folder under models/ (default `<model>-mlx`); `front`: extra
-    `[front]` keys."""
+    `[front]` keys, then perhaps its tables (`[[front.peers]]`)."""
+    # `[front]` keys before its tables (`[[front.prefillers]]`, and any in `front`).
+    key, tables = "", ""
     if len(prefillers) == 1:
-        bridge = f'prefilld = "http://127.0.0.1:{prefillers[0]}"\n'
+        key = f'prefilld = "http://127.0.0.1:{prefillers[0]}"\n'
     else:
-        bridge = "".join(f'[[front.prefillers]]\naddr = "http://127.0.0.1:{port}"\nname = "prefill-{i}"\n'
+        tables = "".join(f'[[front.prefillers]]\naddr = "http://127.0.0.1:{port}"\nname = "prefill-{i}"\n'
                          for i, port in enumerate(prefillers))
     return f"""
 [server]
@@ -126,8 +128,8 @@ min_bridge_tokens = {block_tokens}
 prefill_deadline_base = "600s"
 prefill_deadline_per_1k_tokens = "60s"
 request_timeout = "7200s"
-{front}
-{bridge}"""
+{key}{front}
+{tables}"""
 
 
 def prefilld_toml(run: Path, ports: dict, model: str, max_len: int, decoders: list[int],
@@ -183,16 +185,22 @@ def open_files(pid: int) -> int:
         return 0
 
 
+def peer_table(name: str, ports: dict) -> str:
+    return (f'\n[[front.peers]]\naddr = "http://127.0.0.1:{ports["grpc"]}"\nname = "{name}"\n'
+            f'front = "http://127.0.0.1:{ports["front"]}"\n')
+
+
 class Topology:
     """`prefillers` prefilld instances and one decoded per entry of `decoders` on `model`, each
     listing all of the other side, ready on entry, stopped on exit. A decoder entry is its block
     size; `parallel` (`[engine]` keys) spreads every prefilld's vLLM over processes; `fronts` are decoder `i`'s extra
-    `[front]` keys. Daemon `i` of a role is named `prefilld-i` / `decoded-i` (its folder under the
+    `[front]` keys; with `peers` every decoder lists the others as `[[front.peers]]` (`decoded-j`). Daemon `i` of a role is named `prefilld-i` / `decoded-i` (its folder under the
     run folder, its log, its `ports`)."""
 
     def __init__(self, model: str, run_dir: str, max_len: int, prefillers: int = 1,
                  decoders: tuple[int, ...] = (BLOCK_TOKENS,), decoder: str = "", prefill_dtype: str = "float32",
-                 decoder_model: str | None = None, parallel: str = "", fronts: tuple[str, ...] = ()):
+                 decoder_model: str | None = None, parallel: str = "", fronts: tuple[str, ...] = (),
+                 peers: bool = False):
         self.run = (ROOT / run_dir).resolve()
         subprocess.run(["rm", "-rf", str(self.run)], check=True)
         self.ports: dict[str, dict[str, int]] = {}
@@ -209,6 +217,9 @@ class Topology:
             if name.startswith("decoded"):
                 i = int(name.split("-")[1])
                 front = fronts[i] if i < len(fronts) else ""
+                if peers:
+                    front += "".join(peer_table(peer, self.ports[peer]) for peer in self.ports
+                                     if peer.startswith("decoded") and peer != name)
                 toml = decoded_toml(folder, ports, model, grpc["prefilld"], decoder, decoder_model, decoders[i], front)
             else:
                 toml = prefilld_toml(folder, ports, model, max_len, grpc["decoded"], prefill_dtype, parallel)

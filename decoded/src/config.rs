@@ -73,6 +73,9 @@ impl Validate for Config {
         for prefiller in &front.prefillers {
             tls::check_scheme("front.prefillers.addr", &prefiller.addr, self.tls.is_some())?;
         }
+        for peer in &front.peers {
+            tls::check_scheme("front.peers.addr", &peer.addr, self.tls.is_some())?;
+        }
         self.store.validate()?;
         if self.engine.is_some() && self.spec_file.is_some() {
             return Err(ConfigError::invalid("spec_file", "give either an [engine] or a spec_file, not both"));
@@ -329,6 +332,13 @@ pub struct FrontConfig {
     /// tokens, as the chat template's own do. Off: it is text, as OpenAI's API reads it, so a
     /// message cannot write a turn of another role (`<|im_start|>system`).
     pub allow_special_tokens_in_content: bool,
+    /// The other decoders of this model (`[[front.peers]]`): before bridging, their stores are
+    /// asked for the prompt (`Lookup`, mutual TLS with `[tls]`), and a request one of them holds
+    /// more of is forwarded to its front door rather than prefilled here again.
+    pub peers: Vec<PeerConfig>,
+    /// Longest wait for a peer's `Lookup`; a peer that has not answered holds nothing.
+    #[serde(with = "humantime_serde")]
+    pub peer_lookup_timeout: Duration,
 }
 
 impl Default for FrontConfig {
@@ -354,6 +364,8 @@ impl Default for FrontConfig {
             header_read_timeout: Duration::from_secs(10),
             max_connections_per_peer: 128,
             allow_special_tokens_in_content: false,
+            peers: Vec::new(),
+            peer_lookup_timeout: Duration::from_millis(500),
         }
     }
 }
@@ -439,6 +451,19 @@ pub struct PrefillerConfig {
     pub name: Option<String>,
 }
 
+/// Another decoder of the same model whose store this front door may send requests to.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct PeerConfig {
+    /// Its gRPC address, where its store answers `Lookup` (`https://` with `[tls]`).
+    pub addr: String,
+    /// The identity its certificate must hold (default: the host of `addr`); verdicts name it.
+    pub name: Option<String>,
+    /// Its front door (`http://host:port`), where a request is forwarded with the client's own
+    /// headers (its API key included: peers share their keys).
+    pub front: String,
+}
+
 impl FrontConfig {
     /// Every configured prefilld, from `[[front.prefillers]]` or `front.prefilld`.
     pub fn prefillers(&self) -> Vec<PrefillerConfig> {
@@ -480,6 +505,12 @@ impl Validate for FrontConfig {
         }
         if self.request_timeout.is_zero() {
             return Err(ConfigError::invalid("front.request_timeout", "must be greater than zero"));
+        }
+        for peer in &self.peers {
+            if !peer.front.starts_with("http://") || peer.front.parse::<axum::http::Uri>().is_err() {
+                let problem = format!("{:?} is not an http://host:port address", peer.front);
+                return Err(ConfigError::invalid("front.peers.front", problem));
+            }
         }
         Ok(())
     }
@@ -551,6 +582,19 @@ mod tests {
         assert!(both.to_string().contains("front.prefillers"), "{both}");
         let orphan = parse(&format!("{SERVER}[front]\nprefilld_name = \"prefill-1\"\n"), &[]).unwrap_err();
         assert!(orphan.to_string().contains("front.prefilld_name"), "{orphan}");
+    }
+
+    #[test]
+    fn peers_name_a_store_and_a_front_door_and_bad_addresses_are_named() {
+        let peer = "[[front.peers]]\naddr = \"http://mac-2:7070\"\nfront = \"http://mac-2:8080\"\n";
+        let front = parse(&format!("{SERVER}{peer}"), &[]).unwrap().front;
+        assert_eq!(front.peers[0].front, "http://mac-2:8080");
+        assert_eq!(front.peer_lookup_timeout, Duration::from_millis(500));
+        let https_front = peer.replace("http://mac-2:8080", "https://mac-2:8443");
+        let refused = parse(&format!("{SERVER}{https_front}"), &[]).unwrap_err();
+        assert!(refused.to_string().contains("front.peers.front"), "{refused}");
+        let missing = parse(&format!("{SERVER}[[front.peers]]\naddr = \"http://mac-2:7070\"\n"), &[]).unwrap_err();
+        assert!(missing.to_string().contains("front"), "{missing}");
     }
 
     /// Lines a config file may hold: every section and key decoded knows, with

@@ -21,6 +21,7 @@ mod answer;
 mod auth;
 mod error;
 mod failover;
+mod peers;
 mod plan;
 mod policy;
 mod prefiller;
@@ -52,6 +53,7 @@ use crate::{
 };
 use answer::{Answers, Choices, Names};
 use error::FrontError;
+use peers::Peers;
 use plan::Prompt;
 use policy::Mode;
 use prefiller::Prefiller;
@@ -66,6 +68,8 @@ struct Front {
     store: Arc<Store>,
     config: Arc<FrontConfig>,
     prefiller: Arc<Prefiller>,
+    /// The other decoders of this model, asked before bridging.
+    peers: Arc<Peers>,
     /// Bridges in progress, shared by concurrent requests for the same blocks.
     bridges: Bridges,
     /// One permit per request inside the front door (`front.max_pending_requests`).
@@ -79,6 +83,25 @@ struct Admitted {
     deadline: Instant,
 }
 
+/// The API a request came in on and the request as the client sent it (what a peer is forwarded).
+#[derive(Clone, Copy)]
+struct Api<'a> {
+    kind: Kind,
+    dialect: Dialect,
+    sent: &'a Value,
+}
+
+impl Api<'_> {
+    fn path(&self) -> &'static str {
+        match (self.kind, self.dialect) {
+            (Kind::Text, _) => "/v1/completions",
+            (Kind::Chat, Dialect::Chat) => "/v1/chat/completions",
+            (Kind::Chat, Dialect::Responses) => "/v1/responses",
+            (Kind::Chat, Dialect::Messages) => "/v1/messages",
+        }
+    }
+}
+
 pub fn router(
     engine: Option<Engine>,
     store: Arc<Store>,
@@ -88,9 +111,11 @@ pub fn router(
     api_keys: Vec<ApiKey>,
 ) -> Router {
     let prefiller = Arc::new(Prefiller::new(&config, tls, advertise_addr));
+    let peers = Arc::new(Peers::new(&config, tls));
     let admission = Arc::new(Semaphore::new(config.max_pending_requests));
     let max_body_bytes = config.max_body_bytes;
-    let state = Front { engine, store, config: Arc::new(config), prefiller, bridges: Bridges::default(), admission };
+    let config = Arc::new(config);
+    let state = Front { engine, store, config, prefiller, peers, bridges: Bridges::default(), admission };
     Router::new()
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
@@ -146,19 +171,20 @@ async fn tokenize(State(front): State<Front>, Body(body): Body) -> Result<Json<V
 }
 
 async fn chat(State(front): State<Front>, headers: HeaderMap, Body(body): Body) -> Result<Response, FrontError> {
-    front.chat(&headers, &body, Dialect::Chat).await
+    front.chat(&headers, &body, Dialect::Chat, &body).await
 }
 
 async fn responses(State(front): State<Front>, headers: HeaderMap, Body(body): Body) -> Result<Response, FrontError> {
     let chat = dialects::responses::chat_request(&body)?;
-    front.chat(&headers, &chat, Dialect::Responses).await
+    front.chat(&headers, &chat, Dialect::Responses, &body).await
 }
 
 /// Anthropic's Messages API, its errors in Anthropic's shape too.
 async fn messages(State(front): State<Front>, headers: HeaderMap, body: Result<Body, FrontError>) -> Response {
     let answered = async {
-        let chat = dialects::messages::chat_request(&body?.0)?;
-        front.chat(&headers, &chat, Dialect::Messages).await
+        let Body(sent) = body?;
+        let chat = dialects::messages::chat_request(&sent)?;
+        front.chat(&headers, &chat, Dialect::Messages, &sent).await
     };
     answered.await.unwrap_or_else(FrontError::into_anthropic_response)
 }
@@ -173,7 +199,8 @@ fn chat_input<'a>(config: &FrontConfig, messages: &'a Value, tools: Option<&'a V
 async fn completions(State(front): State<Front>, headers: HeaderMap, Body(body): Body) -> Result<Response, FrontError> {
     let prompt =
         body.get("prompt").and_then(Value::as_str).ok_or(FrontError::BadRequest("`prompt` must be a string".into()))?;
-    front.complete(&headers, &body, TokenizeInput::Text { prompt }, (Kind::Text, Dialect::Chat)).await
+    let api = Api { kind: Kind::Text, dialect: Dialect::Chat, sent: &body };
+    front.complete(&headers, &body, TokenizeInput::Text { prompt }, api).await
 }
 
 fn mode(headers: &HeaderMap) -> Result<Mode, FrontError> {
@@ -187,11 +214,19 @@ fn mode(headers: &HeaderMap) -> Result<Mode, FrontError> {
 }
 
 impl Front {
-    /// A chat request (`body` in chat completions' shape), answered in `dialect`.
-    async fn chat(&self, headers: &HeaderMap, body: &Value, dialect: Dialect) -> Result<Response, FrontError> {
+    /// A chat request (`body` in chat completions' shape; `sent` as the client sent it), answered
+    /// in `dialect`.
+    async fn chat(
+        &self,
+        headers: &HeaderMap,
+        body: &Value,
+        dialect: Dialect,
+        sent: &Value,
+    ) -> Result<Response, FrontError> {
         let messages = openai::chat_messages(body)?;
         let tools = openai::tools(body)?;
-        self.complete(headers, body, chat_input(&self.config, &messages, tools), (Kind::Chat, dialect)).await
+        let api = Api { kind: Kind::Chat, dialect, sent };
+        self.complete(headers, body, chat_input(&self.config, &messages, tools), api).await
     }
 
     /// Admits a request (or answers 429) and serves it within
@@ -202,7 +237,7 @@ impl Front {
         headers: &HeaderMap,
         body: &Value,
         input: TokenizeInput<'_>,
-        api: (Kind, Dialect),
+        api: Api<'_>,
     ) -> Result<Response, FrontError> {
         // A client asking for another model must not be answered by this one.
         if let Some(asked) = body.get("model").and_then(Value::as_str).filter(|m| *m != self.config.model_name) {
@@ -224,12 +259,12 @@ impl Front {
         headers: &HeaderMap,
         body: &Value,
         input: TokenizeInput<'_>,
-        (kind, dialect): (Kind, Dialect),
+        api: Api<'_>,
         admitted: Admitted,
     ) -> Result<Response, FrontError> {
         let started = Instant::now();
         let mode = mode(headers)?;
-        let sampling = openai::sampling(body, kind)?;
+        let sampling = openai::sampling(body, api.kind)?;
         let tools = match input {
             TokenizeInput::Chat { tools, .. } => tools.cloned(),
             TokenizeInput::Text { .. } => None,
@@ -249,6 +284,9 @@ impl Front {
             info.spec.max_context,
         )?;
         let prompt = Prompt::new(&info.spec, tokens);
+        if let Some(forwarded) = self.forward_to_peer(&prompt, mode, headers, api).await {
+            return Ok(forwarded);
+        }
         let mut choices =
             Choices { engine: engine.clone(), prompt, blocks: Vec::new(), tail: None, max_tokens, sampling, tools };
         let (mut verdict, lease, first) = self.start(&mut choices, mode).await?;
@@ -256,8 +294,38 @@ impl Front {
         verdict.timings_ms.insert("generate_start".into(), ms(started));
         let names = Names::new(self.config.model_name.clone());
         let stream = choices.sampling.stream;
-        let answers = Answers { kind, started, verdict, choices, lease, first: Some(first) };
+        let answers = Answers { kind: api.kind, started, verdict, choices, lease, first: Some(first) };
+        let dialect = api.dialect;
         if stream { Ok(answers.stream(names, admitted, dialect)) } else { answers.collect(&names, dialect).await }
+    }
+
+    /// A peer's answer to this request, when a peer holds more of its prompt than this store and
+    /// the part missing here is worth a bridge (`front.min_bridge_tokens`). Only `auto` requests
+    /// go: `native` and `bridge` pin a request to this decoder, and a forwarded one stays where it
+    /// was sent. A peer that cannot answer leaves the request to this decoder.
+    async fn forward_to_peer(
+        &self,
+        prompt: &Prompt,
+        mode: Mode,
+        headers: &HeaderMap,
+        api: Api<'_>,
+    ) -> Option<Response> {
+        if mode != Mode::Auto || self.peers.is_empty() || headers.contains_key(peers::FORWARDED_HEADER) {
+            return None;
+        }
+        let cached = self.store.longest_prefix(&prompt.keys);
+        if (prompt.keys.len() - cached) * prompt.block_tokens < self.config.min_bridge_tokens as usize {
+            return None;
+        }
+        let holder = self.peers.holding_more(&prompt.tokens, &prompt.spec_fingerprint, cached).await?;
+        match self.peers.forward(&holder, api.path(), headers, api.sent).await {
+            Ok(answer) => Some(answer),
+            Err(e) => {
+                let (peer, blocks) = (holder.name(), holder.blocks);
+                tracing::warn!(peer, blocks, error = %e, "a peer holding more of the prompt did not answer; serving here");
+                None
+            }
+        }
     }
 
     /// Plans the prompt, leases its blocks and starts its first answer. A block the adapter finds

@@ -48,7 +48,8 @@ fn blocks_in(store: &Path) -> BTreeMap<String, BlockContent> {
 }
 
 /// `exact`, a decoder computing its own cache (`front.reconstruct_on = "decoder"`), bridges
-/// `prompt`, which `reference` (the same spec, prefilld computing its cache) bridged already: it
+/// `prompt` (required: a peer holding it is not asked), which `reference` (the same spec, prefilld
+/// computing its cache) bridged already: it
 /// computed every whole block and the tail itself, stored the bytes `reference` stored, and answers
 /// as it does natively.
 pub(crate) async fn computes_the_blocks_prefilld_computes(
@@ -56,7 +57,7 @@ pub(crate) async fn computes_the_blocks_prefilld_computes(
     (reference, reference_store): &(Daemon, PathBuf),
     prompt: &Value,
 ) {
-    let answer = chat(exact, prompt, "auto").await;
+    let answer = chat(exact, prompt, "bridge").await;
     assert_eq!(answer.status, 200, "{:?}", answer.body);
     assert_eq!(answer.verdict["outcome"], "bridged", "{}", answer.verdict);
     assert_eq!(answer.cached_tokens(), answer.prompt_tokens() - 1, "{}", answer.verdict);

@@ -79,23 +79,31 @@ async fn bridges_spread_over_prefillers_and_survive_one_dying_mid_bridge() {
     assert_eq!(answer.text(), native_text(&decoded, &long).await, "the answer after a failover differs");
 }
 
-/// One prefilld and a decoded per entry of `decoders` (its block size and extra `[front]` keys),
-/// each bridging through that prefilld into its own store (`store-{i}` under `scratch`), all ready.
+/// One prefilld and a decoded per entry of `decoders` (its block size, extra `[front]` keys and
+/// the earlier decoders it lists as `[[front.peers]]`, named `decoder-{i}`), each bridging through
+/// that prefilld into its own store (`store-{i}` under `scratch`), all ready.
 pub(crate) async fn one_prefiller_and_decoders(
     scratch: &Scratch,
-    decoders_: &[(u32, &str)],
+    decoders_: &[(u32, String, &[usize])],
 ) -> (Daemon, Vec<(Daemon, std::path::PathBuf)>) {
     let engines = Engines::locate();
     let ports: Vec<Reserved> = decoders_.iter().map(|_| Reserved::new()).collect();
     let addrs: Vec<String> = ports.iter().map(|p| format!("http://{}", p.addr())).collect();
     let prefilld =
         Daemon::start("prefilld", &engines.prefilld_config(&scratch.0.join("prefilld"), &decoders(&addrs))).await;
-    let mut started = Vec::new();
-    for (i, (port, (block_tokens, extra))) in ports.into_iter().zip(decoders_).enumerate() {
-        let front = format!(
+    let mut started: Vec<(Daemon, std::path::PathBuf)> = Vec::new();
+    for (i, (port, (block_tokens, extra, peers))) in ports.into_iter().zip(decoders_).enumerate() {
+        let mut front = format!(
             "[front]\nlisten = \"127.0.0.1:0\"\nprefilld = \"http://{}\"\nmin_bridge_tokens = {block_tokens}\n{extra}\n",
             prefilld.grpc
         );
+        for &peer in *peers {
+            let decoded = &started[peer].0;
+            let (grpc, front_door) = (decoded.grpc, decoded.front.expect("front door"));
+            front += &format!(
+                "[[front.peers]]\naddr = \"http://{grpc}\"\nname = \"decoder-{peer}\"\nfront = \"http://{front_door}\"\n"
+            );
+        }
         let store = scratch.0.join(format!("store-{i}"));
         let config = engines.decoded_config(&store, *block_tokens, &front);
         started.push((Daemon::start("decoded", &port.release_into(&config)).await, store));
@@ -109,12 +117,18 @@ pub(crate) async fn one_prefiller_and_decoders(
 
 /// One prefilld (one vLLM) for three decoders: two of different specs (64- and 32-token blocks),
 /// bridged at once, each get their own spec's blocks, in their own store only, and answer as they
-/// do natively; then one that computes its own cache from the layer inputs stores what prefilld
-/// computed for the first ([`exact`](crate::exact)).
+/// do natively. The third shares the first's spec and lists it as a peer: the prompt sent there
+/// is answered by the first from its store; asked to bridge it itself, the third computes its own
+/// cache from the layer inputs and stores what prefilld computed for the first
+/// ([`exact`](crate::exact)).
 #[tokio::test]
-async fn one_prefiller_serves_decoders_of_two_specs_at_once_and_one_computing_its_own_cache() {
+async fn one_prefiller_serves_decoders_of_two_specs_at_once_peers_share_and_one_computes_its_own_cache() {
     let scratch = Scratch::new("decoders");
-    let decoders = [(64, ""), (32, ""), (64, "reconstruct_on = \"decoder\"")];
+    // A peer that is down is passed over.
+    let down = Reserved::new().addr();
+    let third =
+        format!("reconstruct_on = \"decoder\"\n[[front.peers]]\naddr = \"http://{down}\"\nfront = \"http://{down}\"\n");
+    let decoders = [(64, String::new(), &[][..]), (32, String::new(), &[]), (64, third, &[0])];
     let (_prefilld, started) = one_prefiller_and_decoders(&scratch, &decoders).await;
     // The same prompt for both at once: two prefills of the same tokens, each for its own spec.
     let prompt = shared_prompt();
@@ -128,7 +142,14 @@ async fn one_prefiller_serves_decoders_of_two_specs_at_once_and_one_computing_it
         assert_eq!(stored, Some((answer.prompt_tokens() / block_tokens) as f64), "{}", answer.verdict);
         assert_eq!(answer.text(), native_text(decoded, &prompt).await, "bridged and native differ");
     }
-    crate::exact::computes_the_blocks_prefilld_computes(&started[2], &started[0], &prompt).await;
+    let (peer, holder) = (&started[2], &started[0]);
+    let forwarded = chat(&peer.0, &prompt, "auto").await;
+    assert_eq!(forwarded.status, 200, "{:?}", forwarded.body);
+    assert_eq!(forwarded.verdict["served_by"], "decoder-0", "{}", forwarded.verdict);
+    assert_eq!(forwarded.verdict["outcome"], "cached", "{}", forwarded.verdict);
+    assert_eq!(forwarded.text(), one.text(), "the peer answered otherwise than before");
+    assert_eq!(peer.0.metric("pdbridge_store_blocks").await.unwrap_or(0.0), 0.0, "a forwarded prompt stored");
+    crate::exact::computes_the_blocks_prefilld_computes(peer, holder, &prompt).await;
 }
 
 /// vLLM spread over two processes as `engine_keys` say bridges a cold prompt, every block once, as
