@@ -28,10 +28,11 @@ pub enum Reason {
     Evicted,
     BadRequest,
     Cancelled,
+    NotWorthIt,
 }
 
 impl Reason {
-    pub const ALL: [Reason; 13] = [
+    pub const ALL: [Reason; 14] = [
         Reason::Requested,
         Reason::Disabled,
         Reason::ShortPrompt,
@@ -45,6 +46,7 @@ impl Reason {
         Reason::Evicted,
         Reason::BadRequest,
         Reason::Cancelled,
+        Reason::NotWorthIt,
     ];
 
     /// As the verdict and the metrics say it: the proto name, lower-case,
@@ -64,6 +66,7 @@ impl Reason {
             Reason::Evicted => "evicted",
             Reason::BadRequest => "bad_request",
             Reason::Cancelled => "cancelled",
+            Reason::NotWorthIt => "not_worth_it",
         }
     }
 
@@ -82,6 +85,7 @@ impl Reason {
             Reason::Evicted => proto::Reason::Evicted,
             Reason::BadRequest => proto::Reason::BadRequest,
             Reason::Cancelled => proto::Reason::Cancelled,
+            Reason::NotWorthIt => proto::Reason::NotWorthIt,
         }
     }
 

@@ -307,6 +307,16 @@ pub struct FrontConfig {
     pub reconstruct_on: ReconstructOn,
     /// Smallest uncached run of whole blocks, in tokens, worth bridging.
     pub min_bridge_tokens: u32,
+    /// How an `auto` request past `min_bridge_tokens` is decided: `threshold` (bridge it) or
+    /// `cost` (bridge it when the cost model predicts a bridge answers sooner than the decoder
+    /// alone by `cost_margin`, else `not_worth_it`). The verdict carries the prediction either way.
+    pub policy: BridgePolicy,
+    /// How much sooner a bridge must be predicted to answer (0.1: 10 % sooner).
+    pub cost_margin: f64,
+    /// The cost model's starting rates, before the first answers teach it (prompt tokens per
+    /// second): the decoder computing a prompt alone, and a bridge end to end. Unset: learned.
+    pub cold_here_tokens_per_s: Option<f64>,
+    pub cold_bridge_tokens_per_s: Option<f64>,
     /// `max_tokens` when a request gives none.
     pub default_max_tokens: u32,
     /// Longest wait for prefilld's outcome: base plus a share per 1,000 tokens.
@@ -356,6 +366,10 @@ impl Default for FrontConfig {
             bridge: true,
             reconstruct_on: ReconstructOn::Prefiller,
             min_bridge_tokens: 256,
+            policy: BridgePolicy::Threshold,
+            cost_margin: 0.1,
+            cold_here_tokens_per_s: None,
+            cold_bridge_tokens_per_s: None,
             default_max_tokens: 256,
             prefill_deadline_base: Duration::from_secs(60),
             prefill_deadline_per_1k_tokens: Duration::from_secs(30),
@@ -368,6 +382,15 @@ impl Default for FrontConfig {
             peer_lookup_timeout: Duration::from_millis(500),
         }
     }
+}
+
+/// How an `auto` request is decided (`front.policy`).
+#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum BridgePolicy {
+    #[default]
+    Threshold,
+    Cost,
 }
 
 /// Where a bridged block's cache is computed (`front.reconstruct_on`).
@@ -505,6 +528,17 @@ impl Validate for FrontConfig {
         }
         if self.request_timeout.is_zero() {
             return Err(ConfigError::invalid("front.request_timeout", "must be greater than zero"));
+        }
+        if !(0.0..=10.0).contains(&self.cost_margin) {
+            return Err(ConfigError::invalid("front.cost_margin", "must be between 0 and 10"));
+        }
+        for (key, rate) in [
+            ("front.cold_here_tokens_per_s", self.cold_here_tokens_per_s),
+            ("front.cold_bridge_tokens_per_s", self.cold_bridge_tokens_per_s),
+        ] {
+            if rate.is_some_and(|r| !(r.is_finite() && r > 0.0)) {
+                return Err(ConfigError::invalid(key, "must be a positive number of tokens per second"));
+            }
         }
         for peer in &self.peers {
             if !peer.front.starts_with("http://") || peer.front.parse::<axum::http::Uri>().is_err() {

@@ -3,7 +3,7 @@
 //! completion ([`Collected`]), so both check what the engine restored and count the request's
 //! metrics in the same place.
 
-use std::{convert::Infallible, path::PathBuf};
+use std::{convert::Infallible, path::PathBuf, sync::Arc};
 
 use axum::{
     Json,
@@ -14,6 +14,7 @@ use tokio::{sync::mpsc, time::Instant};
 
 use super::{
     Admitted,
+    costs::{Costs, EngineSample},
     error::FrontError,
     ms,
     plan::Prompt,
@@ -99,6 +100,8 @@ pub struct Answers {
     pub lease: Lease,
     /// The first answer, started while the request was planned.
     pub first: Option<Generation>,
+    /// Taught by the first answer's engine timings.
+    pub costs: Arc<Costs>,
 }
 
 /// Why a request's answers ended before the last one did.
@@ -197,6 +200,9 @@ impl Answers {
                 // Before the last event leaves: a client gone by then was answered all the same.
                 record_outcome(&self.verdict);
                 record_stages(&self.verdict, first_summary);
+                if let Some(sample) = EngineSample::of(first_summary) {
+                    self.costs.learn_engine(&sample);
+                }
             }
             sink.done(index, summary, last).await?;
         }

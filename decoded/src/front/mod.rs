@@ -19,6 +19,7 @@
 
 mod answer;
 mod auth;
+mod costs;
 mod error;
 mod failover;
 mod peers;
@@ -52,6 +53,7 @@ use crate::{
     store::{Lease, Store},
 };
 use answer::{Answers, Choices, Names};
+use costs::Costs;
 use error::FrontError;
 use peers::Peers;
 use plan::Prompt;
@@ -70,6 +72,8 @@ struct Front {
     prefiller: Arc<Prefiller>,
     /// The other decoders of this model, asked before bridging.
     peers: Arc<Peers>,
+    /// What serving here and bridging cost, learned from the answers.
+    costs: Arc<Costs>,
     /// Bridges in progress, shared by concurrent requests for the same blocks.
     bridges: Bridges,
     /// One permit per request inside the front door (`front.max_pending_requests`).
@@ -114,8 +118,10 @@ pub fn router(
     let peers = Arc::new(Peers::new(&config, tls));
     let admission = Arc::new(Semaphore::new(config.max_pending_requests));
     let max_body_bytes = config.max_body_bytes;
+    let costs = Arc::new(Costs::starting_with(config.cold_here_tokens_per_s, config.cold_bridge_tokens_per_s));
     let config = Arc::new(config);
-    let state = Front { engine, store, config, prefiller, peers, bridges: Bridges::default(), admission };
+    let bridges = Bridges::default();
+    let state = Front { engine, store, config, prefiller, peers, costs, bridges, admission };
     Router::new()
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
@@ -294,7 +300,8 @@ impl Front {
         verdict.timings_ms.insert("generate_start".into(), ms(started));
         let names = Names::new(self.config.model_name.clone());
         let stream = choices.sampling.stream;
-        let answers = Answers { kind: api.kind, started, verdict, choices, lease, first: Some(first) };
+        let costs = self.costs.clone();
+        let answers = Answers { kind: api.kind, started, verdict, choices, lease, first: Some(first), costs };
         let dialect = api.dialect;
         if stream { Ok(answers.stream(names, admitted, dialect)) } else { answers.collect(&names, dialect).await }
     }

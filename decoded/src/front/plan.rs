@@ -70,10 +70,20 @@ impl Front {
             block_tokens: prompt.block_tokens,
             bridge_enabled: self.config.bridge,
             min_bridge_tokens: self.config.min_bridge_tokens as usize,
+            policy: self.config.policy,
+            cost_margin: self.config.cost_margin,
         };
+        let mut prediction = None;
         let decision = match policy::decide(&situation) {
             Step::Decided(decision) => decision,
-            Step::AskPrefilld => policy::with_prefilld(&situation, self.prefiller.serving().await),
+            Step::AskPrefilld => {
+                let cached_tokens = held.cached * prompt.block_tokens;
+                prediction = self.costs.predict(prompt.tokens.len(), cached_tokens, self.prefiller.least_busy());
+                match policy::weigh(&situation, prediction) {
+                    Some(decision) => decision,
+                    None => policy::with_prefilld(&situation, self.prefiller.serving().await),
+                }
+            }
         };
         let mut plan = match decision {
             Decision::Serve { outcome, reason } => prompt.plan(outcome, reason, held.cached),
@@ -83,6 +93,7 @@ impl Front {
         if let Some(since) = held.waited {
             plan.verdict.timings_ms.insert("shared_bridge_wait".into(), ms(since));
         }
+        plan.verdict.prediction_ms = prediction;
         Ok(plan)
     }
 
@@ -107,7 +118,7 @@ impl Front {
 
     /// Bridges the blocks after the `cached` ones and plans from what landed.
     async fn bridge(&self, prompt: &Prompt, mode: Mode, cached: usize) -> Result<Plan, FrontError> {
-        let started = Instant::now();
+        let (started, busy) = (Instant::now(), self.prefiller.least_busy());
         let ended = self.fail_over(prompt).await;
         // Blocks that landed before a fault count too: the store says which.
         let now = self.store.longest_prefix(&prompt.keys);
@@ -121,7 +132,8 @@ impl Front {
         }
         let mut plan = prompt.plan(report.outcome, report.reason, now);
         let verdict = &mut plan.verdict;
-        verdict.timings_ms.insert("bridge".into(), ms(started));
+        let bridge_ms = ms(started);
+        verdict.timings_ms.insert("bridge".into(), bridge_ms);
         (verdict.blocks, verdict.bytes) = (report.blocks, report.bytes);
         (verdict.prefillers, verdict.detail) = (report.prefillers, report.detail);
         if let Ok((_, outcome)) = ended.last {
@@ -129,6 +141,10 @@ impl Front {
                 verdict.timings_ms.insert(format!("prefill_{stage}"), value);
             }
             self.take_tail(prompt, now, outcome.tail_tokens, &mut plan);
+        }
+        if plan.verdict.outcome == Outcome::Bridged {
+            let bridged = (plan.verdict.cached_tokens as usize).saturating_sub(cached * prompt.block_tokens);
+            self.costs.learn_bridge(prompt.tokens.len(), bridged, bridge_ms, busy);
         }
         Ok(plan)
     }

@@ -5,7 +5,8 @@
 
 use pdbridge_common::reason::Reason;
 
-use super::verdict::Outcome;
+use super::{costs::Prediction, verdict::Outcome};
+use crate::config::BridgePolicy;
 
 /// `X-PD-Bridge-Mode`: how the client wants this request served.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -31,6 +32,9 @@ pub struct Situation {
     pub bridge_enabled: bool,
     /// `front.min_bridge_tokens`.
     pub min_bridge_tokens: usize,
+    /// `front.policy` and `front.cost_margin`.
+    pub policy: BridgePolicy,
+    pub cost_margin: f64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -72,6 +76,16 @@ pub fn decide(s: &Situation) -> Step {
     Step::Decided(serve_or_refuse(s, reason))
 }
 
+/// The cost model's say on a bridge `decide` would ask prefilld for: under `front.policy = "cost"`
+/// an `auto` request is served without one (`not_worth_it`) unless a bridge is predicted to
+/// answer `cost_margin` sooner. None: the bridge goes on (the model has not learned both ways,
+/// the policy is the threshold, or the client required the bridge).
+pub fn weigh(s: &Situation, prediction: Option<Prediction>) -> Option<Decision> {
+    let prediction = prediction.filter(|_| s.mode == Mode::Auto && s.policy == BridgePolicy::Cost)?;
+    let sooner = prediction.bridge_ms * (1.0 + s.cost_margin) < prediction.here_ms;
+    (!sooner).then(|| serve_or_refuse(s, Some(Reason::NotWorthIt)))
+}
+
 /// The decision once prefilld's health is known.
 pub fn with_prefilld(s: &Situation, serving: bool) -> Decision {
     if serving { Decision::Bridge } else { serve_or_refuse(s, Some(Reason::PrefillUnavailable)) }
@@ -109,7 +123,17 @@ mod tests {
     use super::*;
 
     fn situation(mode: Mode, cached_blocks: usize, total_blocks: usize) -> Situation {
-        Situation { mode, cached_blocks, total_blocks, block_tokens: 16, bridge_enabled: true, min_bridge_tokens: 32 }
+        let policy = BridgePolicy::Threshold;
+        Situation {
+            mode,
+            cached_blocks,
+            total_blocks,
+            block_tokens: 16,
+            bridge_enabled: true,
+            min_bridge_tokens: 32,
+            policy,
+            cost_margin: 0.1,
+        }
     }
 
     fn serve(outcome: Outcome, reason: Option<Reason>) -> Step {
@@ -162,6 +186,23 @@ mod tests {
         let required = situation(Mode::Bridge, 3, 8);
         assert_eq!(with_prefilld(&required, false), Decision::Refuse(Reason::PrefillUnavailable));
         assert_eq!(with_prefilld(&required, true), Decision::Bridge);
+    }
+
+    #[test]
+    fn under_the_cost_policy_a_bridge_must_be_predicted_sooner_by_the_margin() {
+        let cost = Situation { policy: BridgePolicy::Cost, ..situation(Mode::Auto, 2, 8) };
+        let predicted = |here_ms, bridge_ms| Some(Prediction { here_ms, bridge_ms });
+        assert_eq!(weigh(&cost, predicted(1000.0, 500.0)), None);
+        // 10 % sooner is not enough with a margin of 0.1; nor is a tie.
+        let not_worth_it = Some(Decision::Serve { outcome: Outcome::Cached, reason: Some(Reason::NotWorthIt) });
+        assert_eq!(weigh(&cost, predicted(1000.0, 910.0)), not_worth_it);
+        assert_eq!(weigh(&cost, predicted(1000.0, 1000.0)), not_worth_it);
+        assert_eq!(weigh(&cost, predicted(1000.0, 900.0)), None);
+        // Nothing learned yet: the threshold's bridge stands.
+        assert_eq!(weigh(&cost, None), None);
+        // The threshold policy and a required bridge are only told the prediction.
+        assert_eq!(weigh(&situation(Mode::Auto, 2, 8), predicted(1000.0, 5000.0)), None);
+        assert_eq!(weigh(&Situation { mode: Mode::Bridge, ..cost }, predicted(1000.0, 5000.0)), None);
     }
 
     #[test]

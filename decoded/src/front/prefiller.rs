@@ -114,6 +114,11 @@ impl Prefiller {
         }
     }
 
+    /// Bridges in flight on the least busy prefilld (0 without any).
+    pub fn least_busy(&self) -> usize {
+        self.upstreams.iter().map(|u| u.in_flight.load(Ordering::Relaxed)).min().unwrap_or(0)
+    }
+
     /// Whether a prefilld's health says its Prefiller is SERVING.
     pub async fn serving(&self) -> bool {
         self.healthy(&[]).await.is_some()

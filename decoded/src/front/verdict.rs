@@ -8,6 +8,7 @@ use pdbridge_common::{reason::Reason, telemetry};
 use serde::Serialize;
 use tokio::time::Instant;
 
+use super::costs::Prediction;
 use crate::{engine::GenerateSummary, store::Tail};
 
 /// The response header carrying the verdict.
@@ -59,6 +60,10 @@ pub struct Verdict {
     /// one failed mid-way and another took the rest).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub prefillers: Vec<String>,
+    /// The cost model's time to first token for the prompt served here and bridged, when a bridge
+    /// was weighed and the model had learned both.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prediction_ms: Option<Prediction>,
     pub timings_ms: BTreeMap<String, f64>,
 }
 
@@ -86,6 +91,7 @@ impl Plan {
             block_tokens: b as u32,
             bytes: 0,
             prefillers: Vec::new(),
+            prediction_ms: None,
             timings_ms: BTreeMap::new(),
         };
         Plan { verdict, blocks: restored, tail: None }
