@@ -105,6 +105,27 @@ def machine_info() -> dict:
     }
 
 
+def log(msg: str) -> None:
+    print(f"[{dt.datetime.now():%H:%M:%S}] {msg}", file=sys.stderr, flush=True)
+
+
+def run_rows(benchmark: str, names: list[str], run_row, setup: dict, out: str) -> list[dict]:
+    """Runs `run_row(name, corpus text)` for each row in turn and writes the result file `out`: the
+    benchmark, when and how long, the machine (load averages before and after), `setup`, the rows."""
+    started, started_utc = time.monotonic(), dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    info = machine_info()
+    text = corpus()
+    rows = []
+    for name in names:
+        log(f"row {name}")
+        rows.append(run_row(name, text))
+    info["loadavg_at_end"] = list(os.getloadavg())
+    result = {"benchmark": benchmark, "started_utc": started_utc, "duration_s": round(time.monotonic() - started, 1),
+              "machine": info, "setup": setup, "rows": rows}
+    Path(out).write_text(json.dumps(result, indent=2) + "\n")
+    return rows
+
+
 def corpus() -> str:
     """Real prose: this repo's LICENSE and every distinct license text in the venv's dist-info."""
     files = [ROOT / "LICENSE"]

@@ -133,10 +133,11 @@ request_timeout = "7200s"
 
 
 def prefilld_toml(run: Path, ports: dict, model: str, max_len: int, decoders: list[int],
-                  prefill_dtype: str = "float32", parallel: str = "") -> str:
+                  prefill_dtype: str = "float32", parallel: str = "", stream: str = "") -> str:
     """prefilld's config: vLLM on `models/<model>-hf`, pushing to the decoders on `decoders` (gRPC
     ports). `parallel`: `[engine]` keys that spread vLLM over processes (one core bound to each:
-    this rig has no second NUMA node for vLLM's automatic binding)."""
+    this rig has no second NUMA node for vLLM's automatic binding); `stream`: more `[stream]` keys
+    (`link_gbps` emulates a slower link)."""
     extra = f"{parallel}\n" if parallel else ""
     bind = 'VLLM_CPU_OMP_THREADS_BIND = "0|1"\n' if parallel else ""
     pushes = "".join(f'[[decoders]]\naddr = "http://127.0.0.1:{port}"\n' for port in decoders)
@@ -160,6 +161,7 @@ VLLM_CPU_KVCACHE_SPACE = "4"
 VLLM_CPU_NUM_OF_RESERVED_CPU = "1"
 {bind}{pushes}[stream]
 deadline_per_1k_tokens = "60s"
+{stream}
 """
 
 
@@ -194,13 +196,13 @@ class Topology:
     """`prefillers` prefilld instances and one decoded per entry of `decoders` on `model`, each
     listing all of the other side, ready on entry, stopped on exit. A decoder entry is its block
     size; `parallel` (`[engine]` keys) spreads every prefilld's vLLM over processes; `fronts` are decoder `i`'s extra
-    `[front]` keys; with `peers` every decoder lists the others as `[[front.peers]]` (`decoded-j`). Daemon `i` of a role is named `prefilld-i` / `decoded-i` (its folder under the
+    `[front]` keys; `stream` every prefilld's extra `[stream]` keys; with `peers` every decoder lists the others as `[[front.peers]]` (`decoded-j`). Daemon `i` of a role is named `prefilld-i` / `decoded-i` (its folder under the
     run folder, its log, its `ports`)."""
 
     def __init__(self, model: str, run_dir: str, max_len: int, prefillers: int = 1,
                  decoders: tuple[int, ...] = (BLOCK_TOKENS,), decoder: str = "", prefill_dtype: str = "float32",
                  decoder_model: str | None = None, parallel: str = "", fronts: tuple[str, ...] = (),
-                 peers: bool = False):
+                 peers: bool = False, stream: str = ""):
         self.run = (ROOT / run_dir).resolve()
         subprocess.run(["rm", "-rf", str(self.run)], check=True)
         self.ports: dict[str, dict[str, int]] = {}
@@ -222,7 +224,7 @@ class Topology:
                                      if peer.startswith("decoded") and peer != name)
                 toml = decoded_toml(folder, ports, model, grpc["prefilld"], decoder, decoder_model, decoders[i], front)
             else:
-                toml = prefilld_toml(folder, ports, model, max_len, grpc["decoded"], prefill_dtype, parallel)
+                toml = prefilld_toml(folder, ports, model, max_len, grpc["decoded"], prefill_dtype, parallel, stream)
             self.tomls[name] = folder / f"{name.split('-')[0]}.toml"
             self.tomls[name].write_text(toml)
         self.procs: dict[str, subprocess.Popen] = {}

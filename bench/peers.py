@@ -20,17 +20,12 @@ Writes bench/results/peers.json; prints a markdown table.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import json
-import os
 import random
 import statistics
 import sys
-import time
-from pathlib import Path
 
 # bench/'s own modules: Python puts a script's folder first on its path.
-from bridge import Client, EngineLog, Prompts, corpus, machine_info, timed
+from bridge import Client, EngineLog, Prompts, log, run_rows, timed
 from daemons import ROOT, Topology
 
 MODEL = "tiny-llama3"
@@ -43,10 +38,6 @@ QUESTIONS = [
     "Name one party the text refers to.",
     "Quote its shortest sentence.",
 ]
-
-
-def log(msg: str) -> None:
-    print(f"[{dt.datetime.now():%H:%M:%S}] {msg}", file=sys.stderr, flush=True)
 
 
 def trace(users: int, turns: int, seed: int) -> list[tuple[int, int, int]]:
@@ -102,7 +93,7 @@ def summary(name: str, records: list[dict]) -> dict:
             sum(r["held_tokens"] for r in follow_ups) / max(sum(r["prompt_tokens"] for r in follow_ups), 1), 3),
         "served_by_peer": sum(r["served_by"] != r["sent_to"] for r in records),
         "bridged_bytes": sum(r["bridged_bytes"] for r in records),
-        "follow_up_ttft_s_median": statistics.median(r["ttft_s"] for r in follow_ups),
+        "follow_up_ttft_s_median": round(statistics.median(r["ttft_s"] for r in follow_ups), 3),
         "follow_up_ttft_s_mean": round(statistics.mean(r["ttft_s"] for r in follow_ups), 3),
         "ttft_s_mean": round(statistics.mean(r["ttft_s"] for r in records), 3),
         "requests_by_turn": records,
@@ -128,27 +119,13 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "peers.json"))
     args = p.parse_args()
-    started, started_utc = time.monotonic(), dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
-    info = machine_info()
-    text = corpus()
-    runs = []
-    for name in ("alone", "peers"):
-        log(f"run {name}")
-        runs.append(replay(name, args, text))
-    info["loadavg_at_end"] = list(os.getloadavg())
-    result = {
-        "benchmark": "pd-bridge decoders sharing their stores (bench/peers.py)",
-        "started_utc": started_utc,
-        "duration_s": round(time.monotonic() - started, 1),
-        "machine": info,
-        "setup": {"model": MODEL, "users": args.users, "turns": args.turns, "doc_tokens": args.doc_tokens,
-                  "seed": args.seed, "trace": trace(args.users, args.turns, args.seed), "max_tokens": MAX_TOKENS,
-                  "temperature": 0, "stream": True, "block_tokens": 256, "min_bridge_tokens": 256},
-        "runs": runs,
-    }
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(table(runs))
-    return 0 if all(r["errors"] == 0 for r in runs) else 1
+    setup = {"model": MODEL, "users": args.users, "turns": args.turns, "doc_tokens": args.doc_tokens,
+             "seed": args.seed, "trace": trace(args.users, args.turns, args.seed), "max_tokens": MAX_TOKENS,
+             "temperature": 0, "stream": True, "block_tokens": 256, "min_bridge_tokens": 256}
+    rows = run_rows("pd-bridge decoders sharing their stores (bench/peers.py)", ["alone", "peers"],
+                    lambda name, text: replay(name, args, text), setup, args.out)
+    print(table(rows))
+    return 0 if all(r["errors"] == 0 for r in rows) else 1
 
 
 if __name__ == "__main__":

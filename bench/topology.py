@@ -31,26 +31,18 @@ Writes bench/results/topology.json; prints a markdown table.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import json
-import os
 import statistics
 import sys
 import threading
 import time
-from pathlib import Path
 
 # bench/'s own modules: Python puts a script's folder first on its path.
-from bridge import Client, EngineLog, Prompts, check, corpus, machine_info, timed
+from bridge import Client, EngineLog, Prompts, check, log, run_rows, timed
 from daemons import ROOT, Topology
 
 MAX_TOKENS = 32
 MAX_LEN = 8192
 PARALLEL = {"tp2": 'extra_args = ["--tensor-parallel-size", "2"]', "pp2": "pipeline_parallel_size = 2"}
-
-
-def log(msg: str) -> None:
-    print(f"[{dt.datetime.now():%H:%M:%S}] {msg}", file=sys.stderr, flush=True)
 
 
 def at_once(calls: list) -> list:
@@ -165,24 +157,10 @@ def main() -> int:
     p.add_argument("--rows", default="tp1,tp2,pp1,pp2,two_prefillers,two_decoders")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "topology.json"))
     args = p.parse_args()
-    started, started_utc = time.monotonic(), dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
-    info = machine_info()
-    text = corpus()
-    rows = []
-    for name in args.rows.split(","):
-        log(f"row {name}")
-        rows.append(run_row(name, args, text))
-    info["loadavg_at_end"] = list(os.getloadavg())
-    result = {
-        "benchmark": "pd-bridge topologies (bench/topology.py)",
-        "started_utc": started_utc,
-        "duration_s": round(time.monotonic() - started, 1),
-        "machine": info,
-        "setup": {"prompt_tokens": args.prompt_tokens, "prompts": args.prompts, "max_tokens": MAX_TOKENS,
-                  "temperature": 0, "stream": True},
-        "rows": rows,
-    }
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    setup = {"prompt_tokens": args.prompt_tokens, "prompts": args.prompts, "max_tokens": MAX_TOKENS,
+             "temperature": 0, "stream": True}
+    rows = run_rows("pd-bridge topologies (bench/topology.py)", args.rows.split(","),
+                    lambda name, text: run_row(name, args, text), setup, args.out)
     print(table(rows))
     return 0 if all(r["bridged"] and r["same_answer"] for r in rows) else 1
 

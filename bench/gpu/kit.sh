@@ -16,7 +16,8 @@
 #                                   (bench/gpu/prefill_box.py on bench/gpu/llama8b.py's model; results
 #                                   kept in var/gpu-8b/results across calls, copied to $OUT)
 # `start` passes PDB_* variables on to both daemons; DECODED_CONFIG and PREFILLD_CONFIG name other
-# configs, STORE_DIR another store (e.g. on /dev/shm); prefill-box's STREAM_CONNECTIONS prefilld's
+# configs, STORE_DIR another store (e.g. on /dev/shm); prefill-box's KV_BITS quantizes the
+# decoder's KV cache (engine.kv_bits: 8 or 4, the bytes a block carries halved or quartered); STREAM_CONNECTIONS prefilld's
 # Push connections (default 4, the CUDA example's: 2026-12-04 on the H200, 2 -> 4 took 128K from
 # 22.1 to 19.2 s and 8 did little more; PDB_STREAM__* would reach decoded too, which has no [stream]
 # and refuses it).
@@ -199,13 +200,15 @@ prefill_box() {
     case "${1:-}" in 4bit | dense) setting=$1; shift ;; esac
     case "${1:-}" in host | device | auto) handoff=$1; shift ;; esac
     [ "$setting" = 4bit ] || decoder=models/llama8b-hf
-    sed -e "s|^model = .*|model = \"$decoder\"|" -e 's|^dtype = .*|dtype = "bfloat16"|' \
+    local kv=()
+    [ -z "${KV_BITS:-}" ] || kv=(-e "s|^# kv_bits = .*|kv_bits = $KV_BITS|")
+    sed -e "s|^model = .*|model = \"$decoder\"|" -e 's|^dtype = .*|dtype = "bfloat16"|' "${kv[@]}" \
       -e 's|^budget_bytes = .*|budget_bytes = 48000000000|' deploy/examples/decoded.toml >"$box/decoded.toml"
     sed -e 's|^model = .*|model = "models/llama8b-hf"|' -e 's|^dtype = .*|dtype = "bfloat16"|' \
       -e 's|^max_model_len = .*|max_model_len = 135168|' -e 's|"--gpu-memory-utilization", "0.5"|"--gpu-memory-utilization", "0.7"|' \
       -e "s|^handoff = .*|handoff = \"$handoff\"|" \
       -e "s|^connections = .*|connections = ${STREAM_CONNECTIONS:-4}|" deploy/examples/prefilld-cuda.toml >"$box/prefilld.toml"
-    setting=$setting-$handoff
+    setting=$setting${KV_BITS:+-kv$KV_BITS}-$handoff
     DECODED_CONFIG="$box/decoded.toml" PREFILLD_CONFIG="$box/prefilld.toml" start &&
       PYTHONPATH=bench PYTHONUNBUFFERED=1 timeout "$limit" \
         .venv/bin/python bench/gpu/prefill_box.py bridged --out "$box/results/$setting" "$@" 2>&1 |

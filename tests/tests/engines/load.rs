@@ -235,16 +235,27 @@ async fn blocks_waiting_in_the_engine_queue_are_not_evicted() {
 
 /// `stop` ends an answer before the stop sequence, streamed or not, and says so (whatever the
 /// model: the generated Llama 3 answers).
+/// Under the cost policy, starting from configured rates (the decoder alone fast, a bridge slow),
+/// the decoder's own answer is predicted sooner: no bridge (`not_worth_it`, even with no prefilld to
+/// ask), the prediction in the verdict; the answer teaches the model the decoder's real rate.
+const COST_POLICY: &str = "policy = \"cost\"\nmin_bridge_tokens = 64\n\
+                           cold_here_tokens_per_s = 1000000.0\ncold_bridge_tokens_per_s = 10.0\n";
+
+/// One decoder (the generated Llama 3) for two things: stop sequences end answers before them, and
+/// the cost policy weighs a bridge.
 #[tokio::test]
-async fn stop_sequences_end_answers_before_them() {
+async fn stop_sequences_end_answers_before_them_and_the_cost_policy_weighs_bridges() {
     let scratch = Scratch::new("stop");
-    let decoded = decoded_on(&Engines::family("llama3"), &scratch, "", "").await;
+    let decoded = decoded_on(&Engines::family("llama3"), &scratch, "", COST_POLICY).await;
     let url = format!("http://{}/v1/completions", decoded.front.unwrap());
     let client = reqwest::Client::new();
     let complete = |body: Value| {
         let request = client.post(&url).json(&body);
         async move { request.send().await.unwrap().json::<Value>().await.unwrap() }
     };
+
+    // First: the cost model's rates are the configured ones until an answer teaches it.
+    weighs_bridges_by_cost(&client, &url).await;
 
     let full = complete(completion(ENDLESS, 24, false)).await;
     let full = full["choices"][0]["text"].as_str().unwrap().to_owned();
@@ -271,6 +282,30 @@ async fn stop_sequences_end_answers_before_them() {
     let streamed: String = chunks.iter().filter_map(|c| c["choices"][0]["text"].as_str()).collect();
     assert_eq!(streamed, expected);
     assert_eq!(chunks.last().unwrap()["choices"][0]["finish_reason"], "stop");
+}
+
+async fn weighs_bridges_by_cost(client: &reqwest::Client, url: &str) {
+    let verdict_of = |prompt: String| {
+        let request = client.post(url).json(&completion(&prompt, 1, false));
+        async move {
+            let answer = request.send().await.unwrap();
+            assert_eq!(answer.status().as_u16(), 200);
+            let verdict: Value = serde_json::from_str(answer.headers()["x-pd-bridge"].to_str().unwrap()).unwrap();
+            assert_eq!((&verdict["outcome"], &verdict["reason"]), (&json!("native"), &json!("not_worth_it")));
+            verdict
+        }
+    };
+    let cold = verdict_of("A prompt of a few blocks, longer than min_bridge_tokens. ".repeat(12)).await;
+    let tokens = cold["prompt_tokens"].as_f64().unwrap();
+    assert!(tokens >= 64.0, "{cold}");
+    // Every token computed: at a millionth of a second here, a tenth bridged.
+    let predicted = &cold["prediction_ms"];
+    assert!((predicted["here_ms"].as_f64().unwrap() - tokens / 1e3).abs() < 1e-9, "{cold}");
+    assert!((predicted["bridge_ms"].as_f64().unwrap() - tokens * 1e2).abs() < 1e-6, "{cold}");
+    // That answer took the decoder far longer than a microsecond a token: its rate moved.
+    let taught = verdict_of("Another prompt of a few blocks, longer than min_bridge_tokens. ".repeat(12)).await;
+    let tokens = taught["prompt_tokens"].as_f64().unwrap();
+    assert!(taught["prediction_ms"]["here_ms"].as_f64().unwrap() > 10.0 * tokens / 1e3, "{taught}");
 }
 
 /// The official SDKs against the front door (behind an API key). OpenAI's: models, chat,
