@@ -98,7 +98,9 @@ impl Peers {
             lookups.spawn(async move { (index, tokio::time::timeout(timeout, client.lookup(request)).await) });
         }
         let mut best: Option<(usize, u32)> = None;
-        while let Some(Ok((index, answer))) = lookups.join_next().await {
+        while let Some(joined) = lookups.join_next().await {
+            // A lookup task cannot panic short of a bug in tonic; the others still count.
+            let Ok((index, answer)) = joined else { continue };
             let name = &self.peers[index].name;
             match answer {
                 Ok(Ok(reply)) => {
