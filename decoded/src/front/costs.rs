@@ -4,8 +4,9 @@
 //! request's time to first token served here (the decoder computes what the store lacks) and
 //! bridged (a prefilld computes it, the decoder restores it), which `policy` compares.
 //!
-//! A bridge's samples are taken per idle prefill box (divided by the bridges it was running), and
-//! its prediction multiplied by the bridges it runs now: a busy box is a live input, not a memory.
+//! A bridge is learned on an idle prefill box and, apart, how much slower a box running 1, 2, 3 or
+//! more other bridges makes it (vLLM batches concurrent prefills: less than linearly, which is
+//! assumed only until learned); the bridges a box runs now are a live input, not a memory.
 
 use std::sync::Mutex;
 
@@ -19,6 +20,8 @@ const BUCKETS: usize = 10;
 const ALPHA: f64 = 0.3;
 /// Fewer computed tokens than this say more about fixed costs than about a rate.
 const MIN_SAMPLE_TOKENS: usize = 32;
+/// Load levels learned apart: 1, 2, 3 and 4 or more other bridges on the box.
+const LOAD_LEVELS: usize = 4;
 
 /// Predicted milliseconds from the decision to the first token, each way.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]
@@ -57,8 +60,21 @@ impl Rates {
 #[derive(Debug, Default)]
 struct Estimates {
     here: Rates,
+    /// On an idle prefill box.
     bridge: Rates,
+    /// A busy box's time over an idle one's, by load level.
+    slowdown: [Option<f64>; LOAD_LEVELS],
     restore: Rates,
+}
+
+impl Estimates {
+    /// How much slower a bridge is on a box running `busy` other bridges: learned, else 1 + busy.
+    fn slowdown(&self, busy: usize) -> f64 {
+        match busy {
+            0 => 1.0,
+            _ => self.slowdown[busy.min(LOAD_LEVELS) - 1].unwrap_or((1 + busy) as f64),
+        }
+    }
 }
 
 /// The rates, shared by every request of the front door.
@@ -107,7 +123,8 @@ impl Costs {
         let missing = prompt_tokens.saturating_sub(cached_tokens) as f64;
         let restore = estimates.restore.at(prompt_tokens).unwrap_or(0.0);
         let here = missing * estimates.here.at(prompt_tokens)? + cached_tokens as f64 * restore;
-        let bridge = missing * estimates.bridge.at(prompt_tokens)? * (1 + busy) as f64 + prompt_tokens as f64 * restore;
+        let bridge =
+            missing * estimates.bridge.at(prompt_tokens)? * estimates.slowdown(busy) + prompt_tokens as f64 * restore;
         Some(Prediction { here_ms: here * 1e3, bridge_ms: bridge * 1e3 })
     }
 
@@ -125,11 +142,23 @@ impl Costs {
     }
 
     /// A bridge of `bridged_tokens` of a prompt of `prompt_tokens` that took `bridge_ms` on a
-    /// prefilld running `busy` other bridges when it began.
+    /// prefilld running `busy` other bridges when it began: the idle rate, or the slowdown at that
+    /// load once the idle rate is known (before, the sample counts as an idle one, 1 + busy times
+    /// faster).
     pub fn learn_bridge(&self, prompt_tokens: usize, bridged_tokens: usize, bridge_ms: f64, busy: usize) {
-        if bridged_tokens >= MIN_SAMPLE_TOKENS {
-            let per_token = bridge_ms / 1e3 / bridged_tokens as f64 / (1 + busy) as f64;
-            self.0.lock().expect("costs lock").bridge.learn(prompt_tokens, per_token);
+        if bridged_tokens < MIN_SAMPLE_TOKENS {
+            return;
+        }
+        let per_token = bridge_ms / 1e3 / bridged_tokens as f64;
+        let mut estimates = self.0.lock().expect("costs lock");
+        match (busy, estimates.bridge.at(prompt_tokens)) {
+            (0, _) => estimates.bridge.learn(prompt_tokens, per_token),
+            (_, Some(idle)) if idle > 0.0 => {
+                let level = &mut estimates.slowdown[busy.min(LOAD_LEVELS) - 1];
+                let sample = per_token / idle;
+                *level = Some(level.map_or(sample, |old| old + ALPHA * (sample - old)));
+            }
+            _ => estimates.bridge.learn(prompt_tokens, per_token / (1 + busy) as f64),
         }
     }
 }
@@ -164,13 +193,29 @@ mod tests {
     }
 
     #[test]
-    fn a_bridge_is_learned_per_idle_box_and_predicted_for_the_box_as_busy_as_it_is() {
+    fn before_an_idle_bridge_is_known_a_busy_one_stands_for_one_assumed_linearly_slower() {
         let costs = Costs::starting_with(Some(1000.0), None);
         // Two other bridges were running: an idle box would have taken a third of the time.
         costs.learn_bridge(2048, 2048, 1536.0, 2);
         let idle = costs.predict(2048, 0, 0).unwrap();
         assert!((idle.bridge_ms - 512.0).abs() < 1e-9, "{idle:?}");
         assert!((costs.predict(2048, 0, 3).unwrap().bridge_ms - 2048.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn a_busy_box_is_as_slow_as_learned_at_its_load() {
+        let costs = Costs::starting_with(Some(1000.0), None);
+        costs.learn_bridge(2048, 2048, 512.0, 0);
+        // Two other bridges running: assumed three times as slow until a bridge at that load says.
+        assert!((costs.predict(2048, 0, 2).unwrap().bridge_ms - 1536.0).abs() < 1e-9);
+        costs.learn_bridge(2048, 2048, 1024.0, 2);
+        assert!((costs.predict(2048, 0, 2).unwrap().bridge_ms - 1024.0).abs() < 1e-9);
+        // Other loads and the idle rate keep theirs.
+        assert!((costs.predict(2048, 0, 1).unwrap().bridge_ms - 1024.0).abs() < 1e-9);
+        assert!((costs.predict(2048, 0, 0).unwrap().bridge_ms - 512.0).abs() < 1e-9);
+        // Ten others count as the highest level learned apart.
+        costs.learn_bridge(2048, 2048, 2560.0, 10);
+        assert!((costs.predict(2048, 0, 4).unwrap().bridge_ms - 2560.0).abs() < 1e-9);
     }
 
     #[test]
