@@ -245,6 +245,53 @@ pub struct LogConfig {
     pub format: LogFormat,
 }
 
+/// `[telemetry]`: OpenTelemetry traces over OTLP/gRPC, off unless `otlp_endpoint` is set.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TelemetryConfig {
+    /// A collector's OTLP/gRPC endpoint, e.g. `http://127.0.0.1:4317` (plain gRPC: a collector
+    /// agent on this host, or across a trusted link).
+    pub otlp_endpoint: Option<String>,
+    /// The fraction of the traces this daemon starts that are recorded. A request that arrives
+    /// in a trace (a `traceparent` header or gRPC metadata) follows its caller's choice.
+    pub sample_ratio: f64,
+    /// Longest a finished span waits before it is exported (in a batch).
+    #[serde(with = "humantime_serde")]
+    pub export_delay: Duration,
+}
+
+impl Default for TelemetryConfig {
+    fn default() -> Self {
+        TelemetryConfig { otlp_endpoint: None, sample_ratio: 1.0, export_delay: Duration::from_secs(5) }
+    }
+}
+
+impl Validate for TelemetryConfig {
+    fn validate(&self) -> Result<(), ConfigError> {
+        if let Some(endpoint) = &self.otlp_endpoint {
+            let uri: axum::http::Uri = endpoint
+                .parse()
+                .map_err(|e| ConfigError::invalid("telemetry.otlp_endpoint", format!("{endpoint:?}: {e}")))?;
+            if uri.scheme_str() != Some("http") || uri.host().is_none() {
+                return Err(ConfigError::invalid(
+                    "telemetry.otlp_endpoint",
+                    format!(
+                        "{endpoint:?} is not an http:// address (spans leave in plain gRPC: point it at a collector \
+                         on this host or a trusted link, which forwards them over TLS)"
+                    ),
+                ));
+            }
+        }
+        if !(0.0..=1.0).contains(&self.sample_ratio) {
+            return Err(ConfigError::invalid("telemetry.sample_ratio", "must be between 0 and 1"));
+        }
+        if self.export_delay.is_zero() {
+            return Err(ConfigError::invalid("telemetry.export_delay", "must be greater than zero"));
+        }
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -255,11 +302,14 @@ mod tests {
         server: ServerConfig,
         #[serde(default)]
         log: LogConfig,
+        #[serde(default)]
+        telemetry: TelemetryConfig,
     }
 
     impl Validate for Example {
         fn validate(&self) -> Result<(), ConfigError> {
-            self.server.validate()
+            self.server.validate()?;
+            self.telemetry.validate()
         }
     }
 
@@ -344,6 +394,29 @@ mod tests {
         assert_eq!(c.server.admin_addr(9470), SocketAddr::from(([127, 0, 0, 1], 9470)));
         let c: Example = load(sources(write(BASE).0.clone())).unwrap();
         assert_eq!(c.server.admin_addr(9470).port(), 9090);
+    }
+
+    /// `[telemetry]` is off by default; a collector is a plain gRPC address, a ratio a fraction.
+    #[test]
+    fn telemetry_names_a_plain_grpc_collector_and_a_ratio() {
+        let telemetry = |section: &str| -> Result<TelemetryConfig, String> {
+            let file = write(&format!("{BASE}[telemetry]\n{section}\n"));
+            load::<Example>(sources(file.0.clone())).map(|c| c.telemetry).map_err(|e| e.to_string())
+        };
+        let off = telemetry("").unwrap();
+        assert_eq!((off.otlp_endpoint, off.sample_ratio, off.export_delay), (None, 1.0, Duration::from_secs(5)));
+        let on =
+            telemetry("otlp_endpoint = \"http://10.0.0.9:4317\"\nsample_ratio = 0.25\nexport_delay = \"1s\"").unwrap();
+        assert_eq!(on.otlp_endpoint.as_deref(), Some("http://10.0.0.9:4317"));
+        for (bad, key) in [
+            ("otlp_endpoint = \"https://collector:4317\"", "telemetry.otlp_endpoint"),
+            ("otlp_endpoint = \"collector:4317\"", "telemetry.otlp_endpoint"),
+            ("sample_ratio = 1.5", "telemetry.sample_ratio"),
+            ("export_delay = \"0s\"", "telemetry.export_delay"),
+        ] {
+            let e = telemetry(bad).unwrap_err();
+            assert!(e.contains(key), "{bad}: {e}");
+        }
     }
 
     #[test]

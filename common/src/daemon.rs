@@ -13,7 +13,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::{
     admin,
-    config::{self, LogFormat, ServerConfig, Sources, Validate},
+    config::{self, LogFormat, ServerConfig, Sources, TelemetryConfig, Validate},
     grpc, telemetry,
 };
 
@@ -70,7 +70,8 @@ pub trait Daemon {
     type Config: DeserializeOwned + Validate;
     type Listeners;
 
-    fn log_format(config: &Self::Config) -> LogFormat;
+    /// How it logs, and where its traces go.
+    fn observability(config: &Self::Config) -> (LogFormat, &TelemetryConfig);
     fn bind(config: &Self::Config) -> impl Future<Output = std::io::Result<Self::Listeners>>;
     fn serve(
         listeners: Self::Listeners,
@@ -89,7 +90,14 @@ pub async fn main<D: Daemon>() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    telemetry::init_logging(D::log_format(&config));
+    let (log_format, traces) = D::observability(&config);
+    let traces = match telemetry::init(log_format, traces, D::NAME) {
+        Ok(traces) => traces,
+        Err(err) => {
+            eprintln!("{}: {err}", D::NAME);
+            return ExitCode::from(2);
+        }
+    };
     let shutdown = match crate::shutdown::signal() {
         Ok(signal) => signal,
         Err(err) => {
@@ -104,7 +112,10 @@ pub async fn main<D: Daemon>() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match D::serve(listeners, config, Box::pin(shutdown)).await {
+    let served = D::serve(listeners, config, Box::pin(shutdown)).await;
+    // The last spans (the drain's included) leave before the process does.
+    traces.shutdown().await;
+    match served {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
             tracing::error!(error = format!("{err:#}"), "{} failed", D::NAME);

@@ -21,6 +21,7 @@ pub mod shutdown;
 pub mod spec;
 pub mod telemetry;
 pub mod tls;
+pub mod traces;
 
 /// An error with its causes, `outer: inner: …` (tonic's transport errors say
 /// just "transport error"; the reason, a refused TLS handshake say, is in the

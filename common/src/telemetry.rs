@@ -1,23 +1,29 @@
-//! Logs (tracing-subscriber) and metrics (a Prometheus recorder rendered by the
-//! admin listener).
+//! Logs (tracing-subscriber), traces (`traces`, over OTLP when configured) and metrics (a
+//! Prometheus recorder rendered by the admin listener).
 
 use std::sync::OnceLock;
 
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
-use tracing_subscriber::{EnvFilter, fmt, layer::SubscriberExt, util::SubscriberInitExt};
+use tracing_subscriber::{EnvFilter, Layer, fmt, layer::SubscriberExt, util::SubscriberInitExt};
 
-use crate::config::LogFormat;
+use crate::{
+    config::{LogFormat, TelemetryConfig},
+    traces::{Exporting, TracesError},
+};
 
-/// Installs the global log subscriber. `RUST_LOG` wins over the default level
-/// (`info`). Safe to call twice (the second call is ignored), so in-process
-/// tests can start several daemons.
-pub fn init_logging(format: LogFormat) {
+/// Installs the global subscriber: logs in `format` (`RUST_LOG` wins over the default level,
+/// `info`) and, when `[telemetry]` names a collector, the spans as traces of `service`. Safe to
+/// call twice (the second subscriber is ignored), so in-process tests can start several daemons.
+pub fn init(format: LogFormat, telemetry: &TelemetryConfig, service: &'static str) -> Result<Exporting, TracesError> {
+    let exporting = Exporting::start(telemetry, service)?;
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
-    let registry = tracing_subscriber::registry().with(filter);
-    let _ = match format {
-        LogFormat::Human => registry.with(fmt::layer().with_writer(std::io::stderr)).try_init(),
-        LogFormat::Json => registry.with(fmt::layer().json().with_writer(std::io::stderr)).try_init(),
+    let logs = match format {
+        LogFormat::Human => fmt::layer().with_writer(std::io::stderr).boxed(),
+        LogFormat::Json => fmt::layer().json().with_writer(std::io::stderr).boxed(),
     };
+    let registry = tracing_subscriber::registry().with(logs.with_filter(filter));
+    let _ = registry.with(exporting.layer()).try_init();
+    Ok(exporting)
 }
 
 /// Histogram buckets for durations in seconds: 1 ms to ~10 min.

@@ -3,7 +3,7 @@
 use std::{collections::BTreeMap, net::SocketAddr, path::PathBuf, time::Duration};
 
 use pdbridge_common::{
-    config::{ConfigError, LogConfig, ServerConfig, Validate},
+    config::{ConfigError, LogConfig, ServerConfig, TelemetryConfig, Validate},
     liveness::LivenessConfig,
     proto::Payload,
     tls::{self, TlsConfig},
@@ -16,6 +16,8 @@ pub struct Config {
     pub server: ServerConfig,
     #[serde(default)]
     pub log: LogConfig,
+    #[serde(default)]
+    pub telemetry: TelemetryConfig,
     #[serde(default)]
     pub store: StoreConfig,
     /// The decode engine. Without it (and without `spec_file`) decoded serves
@@ -60,6 +62,7 @@ impl Config {
 impl Validate for Config {
     fn validate(&self) -> Result<(), ConfigError> {
         self.server.validate()?;
+        self.telemetry.validate()?;
         if let Some(tls) = &self.tls {
             tls.validate()?;
         }

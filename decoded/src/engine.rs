@@ -11,7 +11,7 @@ use std::{
     path::{Path, PathBuf},
     process::Stdio,
     sync::Arc,
-    time::Duration,
+    time::{Duration, SystemTime},
 };
 
 use pdbridge_common::{
@@ -221,8 +221,9 @@ impl Engine {
             logprobs: req.logprobs,
             tools_json: req.tools.map(|t| t.to_string()).unwrap_or_default(),
         };
+        let sent_at = SystemTime::now();
         let lines = request(self.socket()?, Op::Generate(req)).await?;
-        Ok(Generation { lines, finished: false, first: None })
+        Ok(Generation { lines, finished: false, first: None, sent_at })
     }
 
     /// Computes the decoder's cache for the layer inputs in the safetensors
@@ -248,6 +249,8 @@ pub struct Generation {
     finished: bool,
     /// The first event, read ahead by [`Generation::started`].
     first: Option<GenerateEvent>,
+    /// When the request went to the adapter, which times its stages from its arrival.
+    pub sent_at: SystemTime,
 }
 
 impl Generation {

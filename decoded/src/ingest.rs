@@ -21,6 +21,7 @@ use tokio::{
     sync::{OwnedSemaphorePermit, Semaphore},
     task::JoinSet,
 };
+use tracing::Instrument;
 
 use pdbridge_common::{
     block::{self, BlockKey},
@@ -314,7 +315,10 @@ impl Ingest {
             .collect();
         let store = self.store.clone();
         self.complete.insert(block);
+        let span = tracing::info_span!("store.commit", pdbridge.block = block, pdbridge.tail = tail);
+        let committing = span.clone();
         let commit = move |store: Arc<Store>, identity: BlockIdentity, tensors: Vec<BlockTensor>| {
+            let _committing = committing.enter();
             let bytes =
                 if tail { store.commit_tail(&identity, &tensors)? } else { store.commit(&identity, &tensors)? };
             drop(memory);
@@ -325,12 +329,15 @@ impl Ingest {
             return;
         };
         let spec = self.spec.clone();
-        self.committing.spawn(async move {
-            let cache = reconstruct::cache_from_inputs(&engine, &store, &spec, &identity, tensors)
-                .await
-                .map_err(|source| IngestError::Reconstruct { block, source })?;
-            tokio::task::spawn_blocking(move || commit(store, identity, cache)).await.map_err(join_error)?
-        });
+        self.committing.spawn(
+            async move {
+                let cache = reconstruct::cache_from_inputs(&engine, &store, &spec, &identity, tensors)
+                    .await
+                    .map_err(|source| IngestError::Reconstruct { block, source })?;
+                tokio::task::spawn_blocking(move || commit(store, identity, cache)).await.map_err(join_error)?
+            }
+            .instrument(span),
+        );
     }
 
     /// Accounts for one finished commit.

@@ -14,7 +14,7 @@ pub mod service;
 pub mod store;
 
 use pdbridge_common::{
-    config::LogFormat,
+    config::{LogFormat, TelemetryConfig},
     daemon::{self, Daemon, Rpc, Shutdown},
     proto::cache_store_server::CacheStoreServer,
     readiness::Readiness,
@@ -51,8 +51,8 @@ impl Daemon for Decoded {
     type Config = Config;
     type Listeners = Listeners;
 
-    fn log_format(config: &Config) -> LogFormat {
-        config.log.format
+    fn observability(config: &Config) -> (LogFormat, &TelemetryConfig) {
+        (config.log.format, &config.telemetry)
     }
 
     async fn bind(config: &Config) -> std::io::Result<Listeners> {

@@ -12,10 +12,12 @@ use pdbridge_common::{
     shard::ShardError,
     spec, telemetry,
     tls::{AuthError, Peers},
+    traces,
 };
 use tokio::{io::AsyncReadExt, sync::Semaphore};
 use tokio_stream::Stream;
 use tonic::{Code, Request, Response, Status, Streaming};
+use tracing::{Instrument, field::Empty};
 
 use crate::{
     config::StoreConfig,
@@ -211,6 +213,21 @@ impl CacheStore for CacheStoreService {
     }
 
     async fn push(&self, request: Request<Streaming<PushFrame>>) -> Result<Response<PushReceipt>, Status> {
+        let span = tracing::info_span!(
+            "store.push",
+            otel.kind = "server",
+            pdbridge.request_id = Empty,
+            pdbridge.blocks = Empty,
+            pdbridge.bytes = Empty
+        );
+        traces::continue_grpc(&span, request.metadata());
+        self.receive_push(request).instrument(span).await
+    }
+}
+
+impl CacheStoreService {
+    /// One Push stream, its blocks committed as they complete.
+    async fn receive_push(&self, request: Request<Streaming<PushFrame>>) -> Result<Response<PushReceipt>, Status> {
         let peer = self.peers.authorized(&request).map_err(|e| status_of(&e.into()))?;
         let info = self.info()?;
         let _slot = self
@@ -244,6 +261,10 @@ impl CacheStore for CacheStoreService {
             tracing::warn!(request_id, error = %e, "push failed");
             status_of(&e.into())
         }))?;
+        let span = tracing::Span::current();
+        span.record("pdbridge.request_id", &request_id);
+        span.record("pdbridge.blocks", receipt.blocks_committed);
+        span.record("pdbridge.bytes", receipt.bytes);
         tracing::info!(
             request_id,
             peer = peer.as_deref().unwrap_or("-"),

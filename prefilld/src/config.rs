@@ -3,7 +3,7 @@
 use std::{collections::BTreeMap, path::PathBuf, time::Duration};
 
 use pdbridge_common::{
-    config::{ConfigError, LogConfig, ServerConfig, Validate},
+    config::{ConfigError, LogConfig, ServerConfig, TelemetryConfig, Validate},
     liveness::LivenessConfig,
     tls::{self, TlsConfig},
 };
@@ -15,6 +15,8 @@ pub struct Config {
     pub server: ServerConfig,
     #[serde(default)]
     pub log: LogConfig,
+    #[serde(default)]
+    pub telemetry: TelemetryConfig,
     /// The prefill engine. Without it prefilld serves nothing but health,
     /// which stays NOT_SERVING.
     pub engine: Option<EngineConfig>,
@@ -55,6 +57,7 @@ impl Config {
 impl Validate for Config {
     fn validate(&self) -> Result<(), ConfigError> {
         self.server.validate()?;
+        self.telemetry.validate()?;
         self.stream.validate()?;
         self.handshake.validate()?;
         if let Some(tls) = &self.tls {

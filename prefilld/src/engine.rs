@@ -8,7 +8,7 @@ use std::{
     time::Duration,
 };
 
-use pdbridge_common::{liveness, process};
+use pdbridge_common::{config::TelemetryConfig, liveness, process, traces};
 use serde::Deserialize;
 use tokio::{process::Command, sync::watch};
 use tokio_util::sync::CancellationToken;
@@ -203,10 +203,14 @@ impl Vllm {
             "temperature": 0.0,
             "kv_transfer_params": {"pdbridge": pdbridge},
         });
+        // vLLM's own span of the request (`--otlp-traces-endpoint`) continues the caller's.
+        let mut trace = reqwest::header::HeaderMap::new();
+        traces::inject_http(&tracing::Span::current(), &mut trace);
         let response = self
             .http
             .post(format!("{}/v1/completions", served.base_url))
             .bearer_auth(&served.api_key)
+            .headers(trace)
             .json(&body)
             .send()
             .await
@@ -225,6 +229,7 @@ impl Vllm {
 /// stopped vLLM.
 pub fn supervise(
     config: EngineConfig,
+    telemetry: TelemetryConfig,
     stop: CancellationToken,
 ) -> Result<(Vllm, tokio::task::JoinHandle<()>), EngineError> {
     let profile = ModelProfile::read(&config.model)?;
@@ -236,7 +241,7 @@ pub fn supervise(
             url_tx.send_replace(None);
             stalled_tx.send_replace(false);
         };
-        let run = || run_once(&config, &profile, (&url_tx, &stalled_tx), &stop);
+        let run = || run_once((&config, &telemetry), &profile, (&url_tx, &stalled_tx), &stop);
         process::supervise(ENGINE, config.restart_backoff, stop.clone(), run, on_down).await;
     });
     Ok((vllm, task))
@@ -245,7 +250,7 @@ pub fn supervise(
 /// Starts vLLM, waits for its `/health`, then serves (publishing where it
 /// answers, and whether it still does) until it exits or `stop`.
 async fn run_once(
-    config: &EngineConfig,
+    (config, telemetry): (&EngineConfig, &TelemetryConfig),
     profile: &ModelProfile,
     (url_tx, stalled_tx): (&watch::Sender<Option<Served>>, &watch::Sender<bool>),
     stop: &CancellationToken,
@@ -255,7 +260,9 @@ async fn run_once(
         port => port,
     };
     let served = Served::new(port)?;
-    let mut child = command(config, profile, port)
+    let mut command = command(config, profile, port);
+    trace_to(&mut command, telemetry);
+    let mut child = command
         .env("VLLM_API_KEY", &served.api_key)
         .spawn()
         .map_err(|e| EngineError::Failed(format!("spawn {}: {e}", config.python.display())))?;
@@ -375,6 +382,19 @@ fn command(config: &EngineConfig, profile: &ModelProfile, port: u16) -> Command 
     process::contain(&mut cmd);
     tracing::info!(python = %config.python.display(), model = %config.model.display(), port, "starting prefill engine");
     cmd
+}
+
+/// With `[telemetry]`, vLLM records its own span of each request (continuing the `traceparent`
+/// prefilld sends) and the plugin its spans, in vLLM's processes, which inherit these settings;
+/// all to prefilld's collector.
+fn trace_to(command: &mut Command, telemetry: &TelemetryConfig) {
+    if let Some(endpoint) = &telemetry.otlp_endpoint {
+        command
+            .args(["--otlp-traces-endpoint", endpoint])
+            .env("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", endpoint)
+            .env("OTEL_SERVICE_NAME", "vllm")
+            .env("OTEL_BSP_SCHEDULE_DELAY", telemetry.export_delay.as_millis().to_string());
+    }
 }
 
 fn free_port() -> Result<u16, EngineError> {

@@ -10,7 +10,7 @@ pub mod prefill;
 pub mod service;
 
 use pdbridge_common::{
-    config::LogFormat,
+    config::{LogFormat, TelemetryConfig},
     daemon::{self, Daemon, Rpc, Shutdown},
     proto::prefiller_server::PrefillerServer,
     readiness::Readiness,
@@ -46,8 +46,8 @@ impl Daemon for Prefilld {
     type Config = Config;
     type Listeners = Listeners;
 
-    fn log_format(config: &Config) -> LogFormat {
-        config.log.format
+    fn observability(config: &Config) -> (LogFormat, &TelemetryConfig) {
+        (config.log.format, &config.telemetry)
     }
 
     async fn bind(config: &Config) -> std::io::Result<Listeners> {
@@ -86,7 +86,7 @@ pub async fn serve(listeners: Listeners, config: Config, shutdown: Shutdown) -> 
                 }
             });
             let bundle_dir = engine.bundle_dir.clone();
-            let (vllm, task) = engine::supervise(engine, engine_stop.clone())?;
+            let (vllm, task) = engine::supervise(engine, config.telemetry.clone(), engine_stop.clone())?;
             engine_task = Some(task);
             let dial = DialConfig {
                 bundle_dir,

@@ -23,7 +23,7 @@ use pdbridge_common::{
     },
     reason::Reason,
     shard::{self, TensorId},
-    spec, telemetry,
+    spec, telemetry, traces,
 };
 use tokio::{
     sync::mpsc,
@@ -31,6 +31,7 @@ use tokio::{
     time::Instant,
 };
 use tokio_stream::wrappers::ReceiverStream;
+use tracing::{Instrument, Span};
 
 use crate::{
     capture::{End, Part, PluginEvent, Registration, Router, Stage, StageError, Stages, TensorSlice},
@@ -169,10 +170,14 @@ impl Bridge {
     async fn cached_blocks(&self, decoder: &Decoder, token_ids: &[u32]) -> Result<u32, Failure> {
         let request =
             LookupRequest { token_ids: token_ids.to_vec(), spec_fingerprint: decoder.spec.spec_fingerprint.clone() };
+        let span = tracing::info_span!("decoder.lookup", otel.kind = "client");
+        let mut request = tonic::Request::new(request);
+        traces::inject_grpc(&span, request.metadata_mut());
         let reply = decoder
             .client
             .clone()
             .lookup(request)
+            .instrument(span)
             .await
             .map_err(|s| self.decoder_failed(decoder, &s, Reason::DecoderUnreachable))?;
         Ok(reply.into_inner().cached_blocks)
@@ -189,7 +194,7 @@ impl Bridge {
     }
 
     /// The plugin's parameters for one request (`kv_transfer_params.pdbridge`), in proto3 JSON.
-    fn plugin_params(&self, decoder: &Decoder, job: &Job, plan: &Plan) -> serde_json::Value {
+    fn plugin_params(&self, decoder: &Decoder, job: &Job, plan: &Plan, traceparent: String) -> serde_json::Value {
         let params = PluginParams {
             request_id: job.request_id.clone(),
             socket: self.router.socket_path().display().to_string(),
@@ -202,6 +207,7 @@ impl Bridge {
             num_blocks: plan.num_blocks(),
             tail_tokens: plan.tail_tokens,
             payload: job.payload as i32,
+            traceparent,
         };
         serde_json::to_value(&params).expect("the plugin's parameters are JSON")
     }
@@ -270,6 +276,9 @@ fn record(request_id: &str, outcome: &Outcome, elapsed: Duration) {
     let reason = Reason::from_proto(outcome.reason()).map_or("none", Reason::label);
     metrics::counter!("pdbridge_prefill_requests_total", "outcome" => label, "reason" => reason).increment(1);
     metrics::histogram!("pdbridge_prefill_duration_seconds").record(elapsed.as_secs_f64());
+    let span = Span::current();
+    span.record("pdbridge.outcome", label);
+    span.record("pdbridge.blocks", outcome.blocks_committed);
     tracing::info!(
         request_id,
         outcome = label,
@@ -385,12 +394,14 @@ impl<'a> Transfer<'a> {
             payload: job.payload as i32,
         };
         let stripes = Stripes::open(decoder, open, bridge.stream.queue_frames).await?;
-        let params = bridge.plugin_params(decoder, job, &plan);
         let prompt = job.token_ids[..plan.prompt_tokens()].to_vec();
+        // vLLM's request and the plugin's work on it, both continuing this span.
+        let span = tracing::info_span!("vllm.request", otel.kind = "client", pdbridge.prompt_tokens = prompt.len());
+        let params = bridge.plugin_params(decoder, job, &plan, traces::traceparent(&span));
         let deadline = Instant::now() + bridge.stream.prefill_deadline(prompt.len());
         let vllm = bridge.vllm.clone();
         let started = Instant::now();
-        let prefill = tokio::spawn(async move { vllm.prefill(&prompt, params).await.map(drop) });
+        let prefill = tokio::spawn(async move { vllm.prefill(&prompt, params).await.map(drop) }.instrument(span));
         Ok(Transfer {
             bridge,
             decoder,
@@ -470,10 +481,11 @@ impl<'a> Transfer<'a> {
             return Ok(());
         };
         self.first_block_at.get_or_insert_with(Instant::now);
+        let span = tracing::info_span!("push.block", pdbridge.block = index, pdbridge.tail = tail);
         for part in parts {
             let frames = self.stripes.sender(index);
-            let bytes = self.bridge.send_block(frames, index, &part.tensors, part.payload).await?;
-            self.sent.bytes += bytes;
+            let sent = self.bridge.send_block(frames, index, &part.tensors, part.payload);
+            self.sent.bytes += sent.instrument(span.clone()).await?;
         }
         if tail {
             self.sent.tail_tokens = self.plan.tail_tokens;
@@ -536,7 +548,7 @@ impl<'a> Transfer<'a> {
         if self.prefilled_at.is_none() {
             self.prefill.abort();
         }
-        let receipt = self.stripes.finish().await;
+        let receipt = self.stripes.finish().instrument(tracing::info_span!("push.seal")).await;
         let receipt = receipt.map_err(|s| self.bridge.decoder_failed(self.decoder, &s, Reason::TransferFailed));
         self.sent.record(self.plan.block_tokens);
         if let Some(t) = self.first_block_at {
@@ -613,7 +625,9 @@ impl Stripes {
         for client in &decoder.push_clients {
             let (tx, rx) = mpsc::channel::<PushFrame>(queue_frames);
             let mut client = client.clone();
-            stripes.pushes.push(tokio::spawn(async move { client.push(ReceiverStream::new(rx)).await }));
+            let mut push = tonic::Request::new(ReceiverStream::new(rx));
+            traces::inject_grpc(&Span::current(), push.metadata_mut());
+            stripes.pushes.push(tokio::spawn(async move { client.push(push).await }));
             send(&tx, Frame::Open(open.clone())).await?;
             stripes.senders.push(tx);
         }

@@ -7,10 +7,12 @@ use pdbridge_common::{
     proto::{Payload, PrefillEvent, PrefillRequest, prefiller_server::Prefiller},
     request_id,
     tls::Peers,
+    traces,
 };
 use tokio::sync::mpsc;
 use tokio_stream::{Stream, StreamExt, wrappers::ReceiverStream};
 use tonic::{Request, Response, Status};
+use tracing::{Instrument, field::Empty};
 
 use crate::prefill::{Bridge, Job};
 
@@ -43,6 +45,14 @@ impl Prefiller for PrefillerService {
     type PrefillStream = EventStream;
 
     async fn prefill(&self, request: Request<PrefillRequest>) -> Result<Response<EventStream>, Status> {
+        let span = tracing::info_span!(
+            "prefill",
+            otel.kind = "server",
+            pdbridge.request_id = Empty,
+            pdbridge.outcome = Empty,
+            pdbridge.blocks = Empty
+        );
+        traces::continue_grpc(&span, request.metadata());
         self.peers.authorized(&request).map_err(|e| refuse(e.into()))?;
         let request = request.into_inner();
         // A caller never chooses where prefilld connects: only configured decoders.
@@ -92,7 +102,8 @@ impl Prefiller for PrefillerService {
             registration,
         };
         let (tx, rx) = mpsc::channel(16);
-        tokio::spawn(bridge.run(job, tx));
+        span.record("pdbridge.request_id", &job.request_id);
+        tokio::spawn(bridge.run(job, tx).instrument(span));
         Ok(Response::new(Box::pin(ReceiverStream::new(rx).map(Ok))))
     }
 }

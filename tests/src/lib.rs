@@ -10,6 +10,8 @@ use std::{
     time::Duration,
 };
 
+pub mod otlp;
+
 use tokio::{
     io::{AsyncBufReadExt, BufReader},
     process::{Child, Command},

@@ -3,14 +3,22 @@
 //! completion ([`Collected`]), so both check what the engine restored and count the request's
 //! metrics in the same place.
 
-use std::{convert::Infallible, path::PathBuf, sync::Arc};
+use std::{
+    convert::Infallible,
+    path::PathBuf,
+    sync::Arc,
+    time::{Duration, SystemTime},
+};
 
 use axum::{
     Json,
     response::{IntoResponse, Response, Sse, sse::Event},
 };
+use opentelemetry::KeyValue;
+use pdbridge_common::traces::PastSpan;
 use serde_json::{Value, json};
 use tokio::{sync::mpsc, time::Instant};
+use tracing::{Instrument, Span};
 
 use super::{
     Admitted,
@@ -151,25 +159,28 @@ impl Answers {
         let events = tokio_stream::StreamExt::map(tokio_stream::wrappers::ReceiverStream::new(rx), Ok::<_, Infallible>);
         let mut response = Sse::new(events).into_response();
         verdict::set(&mut response, &self.verdict);
-        tokio::spawn(async move {
-            let Admitted { permit: _permit, deadline } = admitted;
-            let include_usage = self.choices.sampling.include_usage;
-            let mut sink = Streamed {
-                tx,
-                kind: self.kind,
-                names,
-                calls_sent: 0,
-                completion_tokens: 0,
-                usage: None,
-                include_usage,
-                dialect: dialect.stream(),
-            };
-            let answered = tokio::time::timeout_at(deadline, self.run(&mut sink)).await.unwrap_or_else(|_| {
-                // Worded as the deadline's error event always was.
-                Err(EngineError::Internal("front.request_timeout passed".into()).into())
-            });
-            sink.end(answered).await;
-        });
+        tokio::spawn(
+            async move {
+                let Admitted { permit: _permit, deadline } = admitted;
+                let include_usage = self.choices.sampling.include_usage;
+                let mut sink = Streamed {
+                    tx,
+                    kind: self.kind,
+                    names,
+                    calls_sent: 0,
+                    completion_tokens: 0,
+                    usage: None,
+                    include_usage,
+                    dialect: dialect.stream(),
+                };
+                let answered = tokio::time::timeout_at(deadline, self.run(&mut sink)).await.unwrap_or_else(|_| {
+                    // Worded as the deadline's error event always was.
+                    Err(EngineError::Internal("front.request_timeout passed".into()).into())
+                });
+                sink.end(answered).await;
+            }
+            .instrument(Span::current()),
+        );
         response
     }
 
@@ -193,6 +204,7 @@ impl Answers {
                 None => self.choices.start(index).await?,
             };
             let summary = self.events(index, &mut generation, sink).await?;
+            trace_engine(generation.sent_at, &summary, index);
             check_restored(&self.verdict, &summary)?;
             let first_summary = first_summary.get_or_insert_with(|| summary.clone());
             let last = index + 1 == n;
@@ -231,6 +243,30 @@ impl Answers {
             }
         }
     }
+}
+
+/// Answer `index`'s stages in the decode engine as spans under the request's, placed from when it
+/// was sent by the times the adapter measured from its arrival: queued, restoring the blocks and
+/// the tail, computing the rest of the prompt (to the first token), decoding.
+fn trace_engine(sent_at: SystemTime, summary: &GenerateSummary, index: u32) {
+    let at =
+        |stage: &str| summary.timings_ms.get(stage).map(|&ms| sent_at + Duration::from_secs_f64(ms.max(0.0) / 1e3));
+    let (Some(admitted), Some(first_token), Some(end)) = (at("queue"), at("first_token"), at("total")) else {
+        return;
+    };
+    let restored = admitted + Duration::from_secs_f64(summary.timings_ms.get("restore").copied().unwrap_or(0.0) / 1e3);
+    let attributes = vec![
+        KeyValue::new("pdbridge.answer", i64::from(index)),
+        KeyValue::new("pdbridge.cached_tokens", i64::from(summary.cached_tokens)),
+        KeyValue::new("pdbridge.completion_tokens", i64::from(summary.completion_tokens)),
+    ];
+    let generate = PastSpan::under(&Span::current(), "engine.generate", sent_at, attributes);
+    generate.child("engine.queue", sent_at, admitted);
+    generate.child("engine.restore", admitted, restored);
+    generate.child("engine.tail", restored, first_token);
+    generate.event("first_token", first_token);
+    generate.child("engine.decode", first_token, end);
+    generate.end(end);
 }
 
 /// The engine must have restored exactly the tokens the verdict claims.

@@ -37,12 +37,13 @@ use axum::{
     response::Response,
     routing::{get, post},
 };
-use pdbridge_common::{telemetry, tls::Tls};
+use pdbridge_common::{telemetry, tls::Tls, traces};
 use serde_json::{Value, json};
 use tokio::{
     sync::{OwnedSemaphorePermit, Semaphore},
     time::Instant,
 };
+use tracing::{Instrument, Span, field::Empty};
 
 use crate::{
     config::{ApiKey, FrontConfig},
@@ -255,7 +256,17 @@ impl Front {
             .try_acquire_owned()
             .map_err(|_| FrontError::Overloaded { limit: self.config.max_pending_requests })?;
         let deadline = Instant::now() + self.config.request_timeout;
-        let served = self.serve(headers, body, input, api, Admitted { permit: admitted, deadline });
+        // The request's trace, continuing its client's; a streamed answer carries it to its end.
+        let span = tracing::info_span!(
+            "front.request",
+            otel.kind = "server",
+            http.route = api.path(),
+            pdbridge.outcome = Empty,
+            pdbridge.prompt_tokens = Empty,
+            pdbridge.cached_tokens = Empty,
+        );
+        traces::continue_http(&span, headers);
+        let served = self.serve(headers, body, input, api, Admitted { permit: admitted, deadline }).instrument(span);
         tokio::time::timeout_at(deadline, served).await.unwrap_or(Err(FrontError::Timeout(self.config.request_timeout)))
     }
 
@@ -277,7 +288,7 @@ impl Front {
         };
         let engine = self.engine.as_ref().ok_or(FrontError::EngineUnavailable)?;
         let _in_flight = telemetry::InFlight::enter(metric::IN_FLIGHT);
-        let tokens = engine.tokenize(input).await?;
+        let tokens = engine.tokenize(input).instrument(tracing::info_span!("front.tokenize")).await?;
         if tokens.is_empty() {
             return Err(FrontError::BadRequest("the prompt tokenizes to nothing".into()));
         }
@@ -296,6 +307,10 @@ impl Front {
         let mut choices =
             Choices { engine: engine.clone(), prompt, blocks: Vec::new(), tail: None, max_tokens, sampling, tools };
         let (mut verdict, lease, first) = self.start(&mut choices, mode).await?;
+        let span = Span::current();
+        span.record("pdbridge.outcome", verdict.outcome.label());
+        span.record("pdbridge.prompt_tokens", verdict.prompt_tokens);
+        span.record("pdbridge.cached_tokens", verdict.cached_tokens);
         verdict.timings_ms.insert("tokenize".into(), tokenized_ms);
         verdict.timings_ms.insert("generate_start".into(), ms(started));
         let names = Names::new(self.config.model_name.clone());
@@ -325,7 +340,8 @@ impl Front {
             return None;
         }
         let holder = self.peers.holding_more(&prompt.tokens, &prompt.spec_fingerprint, cached).await?;
-        match self.peers.forward(&holder, api.path(), headers, api.sent).await {
+        let span = tracing::info_span!("front.peer_forward", otel.kind = "client", pdbridge.peer = holder.name());
+        match self.peers.forward(&holder, api.path(), headers, api.sent).instrument(span).await {
             Ok(answer) => Some(answer),
             Err(e) => {
                 let (peer, blocks) = (holder.name(), holder.blocks);

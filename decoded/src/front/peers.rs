@@ -14,6 +14,7 @@ use axum::{
 use pdbridge_common::{
     proto::{LookupRequest, cache_store_client::CacheStoreClient},
     tls::{self, Tls},
+    traces,
 };
 use serde_json::Value;
 use tokio::{task::JoinSet, time::Instant};
@@ -131,7 +132,10 @@ impl Peers {
                 request = request.header(name, value);
             }
         }
-        let answer = request.header(FORWARDED_HEADER, "1").send().await?;
+        // With tracing on, the peer continues this request's span rather than the client's.
+        let mut trace = HeaderMap::new();
+        traces::inject_http(&tracing::Span::current(), &mut trace);
+        let answer = request.headers(trace).header(FORWARDED_HEADER, "1").send().await?;
         let status = answer.status();
         if status == StatusCode::TOO_MANY_REQUESTS || status.is_server_error() {
             return Err(ForwardError::Declined(status));

@@ -9,6 +9,7 @@ use pdbridge_common::{
     spec,
 };
 use tokio::time::Instant;
+use tracing::Instrument;
 
 use super::{
     Front,
@@ -88,7 +89,10 @@ impl Front {
         let mut plan = match decision {
             Decision::Serve { outcome, reason } => prompt.plan(outcome, reason, held.cached),
             Decision::Refuse(reason) => return Err(FrontError::BridgeRequired { reason, detail: String::new() }),
-            Decision::Bridge => self.bridge(prompt, mode, held.cached).await?,
+            Decision::Bridge => {
+                let span = tracing::info_span!("front.bridge", pdbridge.cached_blocks = held.cached);
+                self.bridge(prompt, mode, held.cached).instrument(span).await?
+            }
         };
         if let Some(since) = held.waited {
             plan.verdict.timings_ms.insert("shared_bridge_wait".into(), ms(since));

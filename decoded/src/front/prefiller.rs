@@ -17,9 +17,11 @@ use pdbridge_common::{
     },
     reason::Reason,
     tls::{self, Tls},
+    traces,
 };
 use tonic::transport::Channel;
 use tonic_health::pb::{HealthCheckRequest, health_check_response::ServingStatus, health_client::HealthClient};
+use tracing::Instrument;
 
 use crate::config::FrontConfig;
 
@@ -168,7 +170,9 @@ impl Prefiller {
             payload: self.payload as i32,
         };
         let mut bytes_sent = 0;
-        let run = follow(in_flight.0.channel.clone(), request, &mut bytes_sent);
+        let span =
+            tracing::info_span!("prefilld.prefill", otel.kind = "client", pdbridge.prefiller = name, first_block);
+        let run = follow(in_flight.0.channel.clone(), request, &mut bytes_sent).instrument(span);
         let result = match tokio::time::timeout(deadline, run).await {
             Ok(result) => result,
             Err(_) => Err(BridgeFailure::new(Reason::Timeout, &format!("no outcome within {deadline:?}"))),
@@ -183,6 +187,8 @@ impl Prefiller {
 
 /// A `Prefill` call followed to its outcome, keeping `bytes_sent` as progress reports it.
 async fn follow(channel: Channel, request: PrefillRequest, bytes_sent: &mut u64) -> Result<Outcome, BridgeFailure> {
+    let mut request = tonic::Request::new(request);
+    traces::inject_grpc(&tracing::Span::current(), request.metadata_mut());
     let mut events = PrefillerClient::new(channel)
         .max_decoding_message_size(64 << 20)
         .max_encoding_message_size(64 << 20)

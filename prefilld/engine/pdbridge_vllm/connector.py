@@ -67,7 +67,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from . import models, protocol
+from . import models, protocol, spans
 from .streamer import BridgeParams, RequestStream, Streamer
 
 if TYPE_CHECKING:
@@ -433,7 +433,8 @@ class PdBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         while st.next_block < st.params.end_block and (st.next_block + 1) * B <= st.captured:
             count = min(self._blocks_per_call, st.params.end_block - st.next_block,
                         st.captured // B - st.next_block)
-            hidden = self._gather(st, st.next_block * B, (st.next_block + count) * B)
+            with spans.span(st.stream.trace, "capture", block=st.next_block, blocks=count):
+                hidden = self._gather(st, st.next_block * B, (st.next_block + count) * B)
             st.stream.ms["capture"] += (time.perf_counter() - t0) * 1e3
             self._streamer.submit_blocks(st.stream, st.next_block, hidden)  # may wait: backpressure
             st.next_block += count

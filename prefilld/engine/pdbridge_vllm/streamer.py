@@ -28,7 +28,7 @@ import numpy as np
 from google.protobuf import json_format
 from pdbridge_cache.proto import bridge_pb2, engine_pb2
 
-from . import protocol
+from . import protocol, spans
 
 logger = logging.getLogger("vllm.pdbridge_vllm")
 
@@ -63,6 +63,8 @@ class BridgeParams:
     # What a block carries: the decoder's cache, or its layers' inputs (the decoder computes the
     # cache itself, exact on its own backend).
     payload: str = CACHE
+    # prefilld's span of the request when it is traced (W3C traceparent), else "".
+    traceparent: str = ""
 
     @classmethod
     def parse(cls, raw: Any) -> BridgeParams:
@@ -76,7 +78,8 @@ class BridgeParams:
                 bundle_sha256=m.bundle_sha256, block_tokens=m.block_tokens, first_block=m.first_block,
                 num_blocks=m.num_blocks, tail_tokens=m.tail_tokens,
                 from_block=m.from_block if m.HasField("from_block") else m.first_block,
-                payload=LAYER_INPUTS if m.payload == bridge_pb2.PAYLOAD_LAYER_INPUTS else CACHE)
+                payload=LAYER_INPUTS if m.payload == bridge_pb2.PAYLOAD_LAYER_INPUTS else CACHE,
+                traceparent=m.traceparent)
         if not (p.request_id and p.socket and p.bundle_path):
             raise ValueError("request_id, socket and bundle_path are required")
         if p.block_tokens <= 0:
@@ -108,6 +111,11 @@ class RequestStream:
     closed: bool = False
     # The request's connection (opened by the first message); False once it failed.
     sock: socket.socket | None | bool = field(default=None, repr=False)
+    # What the request's spans continue (`spans.parent`); None: not traced.
+    trace: Any = field(default=None, repr=False)
+
+    def __post_init__(self):
+        self.trace = spans.parent(self.params.traceparent)
 
 
 class _BoundedQueue:
@@ -309,7 +317,7 @@ class Streamer:
             self._fail(stream, protocol.BUNDLE_MISMATCH,
                        f"captured hidden size {hidden.shape[2]} != the decoder's {path.hidden_size}")
             return
-        with _clock(stream, "to_mlx"):
+        with _clock(stream, "to_mlx", block=first_index):
             hidden = reconstruct.captured_states(hidden, self._capture_layer_ids, path.layers,
                                                  self._handoff_for(), event)
         B = stream.params.block_tokens
@@ -327,7 +335,7 @@ class Streamer:
                 self._emit_block(stream, path, first_index + k, hidden[k * B:(k + 1) * B], tail)
             return
         try:
-            with _clock(stream, "reconstruct"):
+            with _clock(stream, "reconstruct", block=first_index, blocks=count):
                 rows = reconstruct.blocks(path, hidden, first_index * B, B, self._streams())
         except Exception as e:
             self._fail(stream, protocol.RECONSTRUCT_FAILED, f"blocks from {first_index}: {e}")
@@ -343,7 +351,7 @@ class Streamer:
         # A block the decoder already has: reconstructed only to carry the state on.
         known = block_index < stream.params.first_block
         try:
-            with _clock(stream, "reconstruct"):
+            with _clock(stream, "reconstruct", block=block_index, blocks=1):
                 rows = reconstruct.block(path, hidden, offset=block_index * stream.params.block_tokens,
                                          streams=self._streams(), states=stream.states, only_states=known)
         except Exception as e:
@@ -355,7 +363,7 @@ class Streamer:
     def _send_block(self, stream: RequestStream, block_index: int, rows: list, tail: bool) -> None:
         from . import reconstruct
 
-        with _clock(stream, "to_host"):
+        with _clock(stream, "to_host", block=block_index):
             tensors, payload = reconstruct.wire(rows, self._handoff_for())
         block = engine_pb2.PluginBlock(index=block_index, payload_bytes=sum(t.nbytes for t in tensors),
                                        tensors=tensors)
@@ -409,7 +417,7 @@ class Streamer:
                 self._outbox.release(nbytes)
 
     def _write(self, stream: RequestStream, frame: engine_pb2.PluginFrame, payload) -> None:
-        with _clock(stream, "send"):
+        with _clock(stream, "send", frame=frame.WhichOneof("frame") or "", block=frame.block.index):
             try:
                 if stream.sock is None:  # lazily: the first message opens the request's connection
                     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -437,10 +445,12 @@ class Streamer:
 
 
 @contextlib.contextmanager
-def _clock(stream: RequestStream, stage: str):
+def _clock(stream: RequestStream, stage: str, **attributes):
+    """Adds the time of the block to the request's `stage`; a span of it when the request is traced."""
     t0 = time.perf_counter()
     try:
-        yield
+        with spans.span(stream.trace, stage, **attributes):
+            yield
     finally:
         stream.ms[stage] += (time.perf_counter() - t0) * 1e3
 

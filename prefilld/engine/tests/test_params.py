@@ -18,10 +18,12 @@ class ParamsTest(unittest.TestCase):
         p = BridgeParams.parse(GOLDEN)
         self.assertEqual((p.block_tokens, p.first_block, p.num_blocks, p.end_block), (256, 2, 3, 5))
         self.assertEqual((p.from_block, p.tail_tokens, p.payload), (0, 17, LAYER_INPUTS))
+        self.assertEqual(p.traceparent, GOLDEN["traceparent"])
 
     def test_defaults_are_the_schemas(self):
-        p = BridgeParams.parse({k: v for k, v in GOLDEN.items() if k not in ("from_block", "payload", "tail_tokens")})
-        self.assertEqual((p.from_block, p.tail_tokens, p.payload), (p.first_block, 0, CACHE))
+        unset = ("from_block", "payload", "tail_tokens", "traceparent")
+        p = BridgeParams.parse({k: v for k, v in GOLDEN.items() if k not in unset})
+        self.assertEqual((p.from_block, p.tail_tokens, p.payload, p.traceparent), (p.first_block, 0, CACHE, ""))
 
     def test_what_the_schema_does_not_name_is_refused(self):
         without_socket = {k: v for k, v in GOLDEN.items() if k != "socket"}

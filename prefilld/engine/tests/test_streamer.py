@@ -21,7 +21,7 @@ from pdbridge_cache.proto import engine_pb2
 from pdbridge_testkit import REPO
 from pdbridge_testkit.decoder import decoder_bundle
 from pdbridge_testkit.prefill import kind
-from pdbridge_vllm import handoff, protocol, reconstruct
+from pdbridge_vllm import handoff, protocol, reconstruct, spans
 from pdbridge_vllm.streamer import STAGES, BridgeParams, RequestStream, Streamer
 
 B = 16  # tokens per block
@@ -125,6 +125,38 @@ class StreamerTest(unittest.TestCase):
         messages = listener.wait()
         streamer.close()
         self.assertEqual([(kind(h), h.error.failure) for h, _ in messages], [("error", protocol.BUNDLE_MISMATCH)])
+
+    def test_a_traced_requests_stages_are_spans_under_prefillds_and_an_untraced_one_has_none(self):
+        from opentelemetry import trace
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+        from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+        exported = InMemorySpanExporter()
+        provider = TracerProvider()
+        provider.add_span_processor(SimpleSpanProcessor(exported))
+        trace.set_tracer_provider(provider)  # what vLLM does with --otlp-traces-endpoint
+        trace_id, parent_id = 0x0AF7651916CD43DD8448EB211C80319C, 0xB7AD6B7169203331
+        for name, traceparent in (("untraced", ""), ("traced", f"00-{trace_id:032x}-{parent_id:016x}-01")):
+            streamer = Streamer(self.layers)
+            stream, sock = self.request(name, 2)
+            stream.params.traceparent = traceparent
+            stream.trace = spans.parent(traceparent)
+            listener = Listener(sock)
+            self.submit_whole(streamer, stream, 2)
+            listener.wait()
+            streamer.close()
+            if name == "untraced":
+                self.assertEqual(exported.get_finished_spans(), ())
+        finished = exported.get_finished_spans()
+        names = sorted(s.name for s in finished)
+        self.assertEqual(names, ["pdbridge.reconstruct", "pdbridge.send", "pdbridge.send", "pdbridge.send",
+                                 "pdbridge.to_host", "pdbridge.to_host", "pdbridge.to_mlx"])
+        for s in finished:
+            self.assertEqual((s.context.trace_id, s.parent.span_id), (trace_id, parent_id), s.name)
+        sent = sorted((s.attributes["pdbridge.frame"], s.attributes["pdbridge.block"])
+                      for s in finished if s.name == "pdbridge.send")
+        self.assertEqual(sent, [("block", 0), ("block", 1), ("done", 0)])
 
 
 class FrameTest(unittest.TestCase):

@@ -36,14 +36,17 @@ pub(crate) async fn chat(decoded: &Daemon, messages: &Value, mode: &str) -> Answ
 
 /// [`chat`] by URL, for a task that does not hold the daemon.
 pub(crate) async fn chat_at(url: &str, messages: &Value, mode: &str) -> Answer {
+    chat_with(url, messages, &[("x-pd-bridge-mode", mode)]).await
+}
+
+/// [`chat_at`] with these request headers.
+pub(crate) async fn chat_with(url: &str, messages: &Value, headers: &[(&str, &str)]) -> Answer {
     let body = json!({"messages": messages, "max_tokens": 8, "temperature": 0});
-    let response = reqwest::Client::new()
-        .post(url)
-        .header("x-pd-bridge-mode", mode)
-        .json(&body)
-        .send()
-        .await
-        .expect("front door answers");
+    let mut request = reqwest::Client::new().post(url).json(&body);
+    for (name, value) in headers {
+        request = request.header(*name, *value);
+    }
+    let response = request.send().await.expect("front door answers");
     let status = response.status().as_u16();
     let verdict = response
         .headers()

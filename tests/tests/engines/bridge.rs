@@ -4,10 +4,14 @@
 
 use std::time::Duration;
 
-use pdbridge_tests::{Daemon, Engines, Pki, Reserved, Scratch, binary, license_text, workspace_root};
+use pdbridge_tests::{
+    Daemon, Engines, Pki, Reserved, Scratch, binary, license_text,
+    otlp::{OtlpReceiver, ReceivedSpan},
+    workspace_root,
+};
 use serde_json::{Value, json};
 
-use crate::answers::{Answer, chat, chat_at, chat_url, user};
+use crate::answers::{Answer, chat, chat_at, chat_url, chat_with, user};
 
 /// Liveness probes of prefilld's vLLM: a frozen engine is reported within about 12 s, and a
 /// busy one on this crowded machine still answers its `/health` in time.
@@ -17,6 +21,9 @@ const LIVENESS: &str = "[engine.liveness]\ninterval = \"1s\"\ntimeout = \"3s\"\n
 const BLOCK_TOKENS: u64 = 32;
 /// The decoder's own cache for this model: 30 layers × (K + V) × 3 heads × 64 × fp32.
 const CACHE_BYTES_PER_TOKEN: f64 = 46_080.0;
+
+/// The client's trace the first bridged chat continues (W3C traceparent: trace id, span id).
+const CLIENT_TRACE: (&str, &str) = ("4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7");
 
 /// One deployment as an operator runs it (mutual TLS both ways; prefilld pushes only to the
 /// decoders in its config: this one, and the hasty one of `a_link_too_slow_times_out`), which
@@ -32,6 +39,8 @@ struct Rig {
     front: String,
     hasty_port: Option<Reserved>,
     paragraphs: Vec<String>,
+    /// The collector both daemons (and vLLM) export their spans to.
+    traces: OtlpReceiver,
 }
 
 /// What a step leaves for later ones: a prompt and its answer.
@@ -46,16 +55,18 @@ impl Rig {
         let scratch = Scratch::new("bridge");
         let pki = Pki::new(&["prefill-1", "mac-1"]).await;
         let (decoder_port, hasty_port) = (Reserved::new(), Reserved::new());
+        let traces = OtlpReceiver::start().await;
+        let telemetry = format!("[telemetry]\notlp_endpoint = \"{}\"\nexport_delay = \"100ms\"\n", traces.endpoint);
         let prefilld_extra: String = [decoder_port.addr(), hasty_port.addr()]
             .iter()
             .map(|addr| format!("[[decoders]]\naddr = \"https://{addr}\"\nname = \"mac-1\"\n"))
-            .chain([LIVENESS.to_owned(), pki.section("prefill-1", &["mac-1"])])
+            .chain([LIVENESS.to_owned(), pki.section("prefill-1", &["mac-1"]), telemetry.clone()])
             .collect();
         let prefilld =
             Daemon::start("prefilld", &engines.prefilld_config(&scratch.0.join("prefilld"), &prefilld_extra)).await;
         let front = format!(
             "[front]\nlisten = \"127.0.0.1:0\"\nprefilld = \"https://{}\"\nprefilld_name = \"prefill-1\"\n\
-             min_bridge_tokens = {BLOCK_TOKENS}\n{}",
+             min_bridge_tokens = {BLOCK_TOKENS}\n{}{telemetry}",
             prefilld.grpc,
             pki.section("mac-1", &["prefill-1"]),
         );
@@ -77,6 +88,7 @@ impl Rig {
             front,
             hasty_port: Some(hasty_port),
             paragraphs,
+            traces,
         }
     }
 
@@ -145,7 +157,9 @@ impl Rig {
         let tokens = self.decoded.tokenize_chat(&messages).await;
         // SmolLM2's <|im_start|>: the template's default system turn, the user's and the answer's.
         assert_eq!(tokens.iter().filter(|&&t| t == 1).count(), 3, "the message opened turns: {tokens:?}");
-        let bridged = chat(&self.decoded, &messages, "auto").await;
+        let traceparent = format!("00-{}-{}-01", CLIENT_TRACE.0, CLIENT_TRACE.1);
+        let headers = [("x-pd-bridge-mode", "auto"), ("traceparent", traceparent.as_str())];
+        let bridged = chat_with(&chat_url(&self.decoded), &messages, &headers).await;
         assert_eq!(bridged.status, 200, "{:?}", bridged.body);
         let v = &bridged.verdict;
         assert_eq!(v["outcome"], "bridged", "{v}");
@@ -168,6 +182,7 @@ impl Rig {
         assert_eq!(pushed.len(), 2, "{pushed:?}");
         assert_eq!(pushed.iter().sum::<u64>(), blocks, "{pushed:?}");
         assert!(blocks < 2 || pushed.iter().all(|&n| n > 0), "{pushed:?}");
+        self.its_trace_follows_it_through_both_boxes(blocks).await;
 
         let native = chat(&self.decoded, &messages, "native").await;
         assert_eq!(native.verdict["outcome"], "native");
@@ -176,6 +191,87 @@ impl Rig {
         assert_eq!(native.text(), bridged.text(), "bridged and native greedy answers differ");
         assert_eq!((bridged.prompt_tokens(), native.prompt_tokens()), (tokens.len() as u64, tokens.len() as u64));
         Asked { messages, answer: bridged }
+    }
+
+    /// The client's trace continues through every process the bridged chat crossed, as one tree:
+    /// the front door, prefilld, vLLM's own request span, the plugin's stages, each Push stream
+    /// and block commit back on the decoder, and the decode engine's restore, tail and first token.
+    async fn its_trace_follows_it_through_both_boxes(&self, blocks: u64) {
+        let ours = |s: &ReceivedSpan| s.trace_id == CLIENT_TRACE.0;
+        let want = [
+            ("decoded", "front.request"),
+            ("decoded", "front.tokenize"),
+            ("decoded", "front.bridge"),
+            ("decoded", "prefilld.prefill"),
+            ("prefilld", "prefill"),
+            ("prefilld", "vllm.request"),
+            ("vllm", "llm_request"),
+            ("vllm", "pdbridge.capture"),
+            ("vllm", "pdbridge.reconstruct"),
+            ("vllm", "pdbridge.send"),
+            ("prefilld", "push.block"),
+            ("prefilld", "push.seal"),
+            ("decoded", "store.push"),
+            ("decoded", "store.commit"),
+            ("decoded", "engine.generate"),
+            ("decoded", "engine.restore"),
+            ("decoded", "engine.tail"),
+        ];
+        let spans = self
+            .traces
+            .wait_for(Duration::from_secs(60), |spans| {
+                want.iter()
+                    .all(|&(service, name)| spans.iter().any(|s| ours(s) && s.service == service && s.name == name))
+            })
+            .await;
+        let spans: Vec<&ReceivedSpan> = spans.iter().filter(|s| ours(s)).collect();
+        let tree: Vec<String> =
+            spans.iter().map(|s| format!("{}:{} {}<-{}", s.service, s.name, s.span_id, s.parent_id)).collect();
+        let one = |service: &str, name: &str| -> &ReceivedSpan {
+            let found: Vec<_> = spans.iter().filter(|s| s.service == service && s.name == name).collect();
+            assert_eq!(found.len(), 1, "one {service}:{name} in {tree:#?}");
+            found[0]
+        };
+        let all = |service: &str, name: &str| spans.iter().filter(|s| s.service == service && s.name == name).count();
+        let under = |child: &ReceivedSpan, parent: &ReceivedSpan| {
+            assert_eq!(child.parent_id, parent.span_id, "{} under {} in {tree:#?}", child.name, parent.name);
+        };
+        let request = one("decoded", "front.request");
+        assert_eq!(request.parent_id, CLIENT_TRACE.1, "the client's span is the front door's parent");
+        assert_eq!(request.attribute("pdbridge.outcome"), Some("bridged"));
+        let bridge = one("decoded", "front.bridge");
+        under(bridge, request);
+        let call = one("decoded", "prefilld.prefill");
+        under(call, bridge);
+        let prefill = one("prefilld", "prefill");
+        under(prefill, call);
+        assert_eq!(prefill.attribute("pdbridge.outcome"), Some("bridged"));
+        let vllm = one("prefilld", "vllm.request");
+        under(vllm, prefill);
+        under(one("vllm", "llm_request"), vllm);
+        for stage in spans.iter().filter(|s| s.name.starts_with("pdbridge.")) {
+            under(stage, vllm);
+        }
+        // Each block and the tail: sent by prefilld, committed by decoded under one of its two
+        // Push streams, both of which continue prefilld's span.
+        assert_eq!(all("prefilld", "push.block") as u64, blocks + 1, "{tree:#?}");
+        assert_eq!(all("decoded", "store.commit") as u64, blocks + 1, "{tree:#?}");
+        assert_eq!(all("decoded", "store.push"), 2, "{tree:#?}");
+        let pushes: Vec<&str> = spans.iter().filter(|s| s.name == "store.push").map(|s| s.span_id.as_str()).collect();
+        for span in &spans {
+            match span.name.as_str() {
+                "store.push" => under(span, prefill),
+                "store.commit" => assert!(pushes.contains(&span.parent_id.as_str()), "{tree:#?}"),
+                _ => {}
+            }
+        }
+        let generate = one("decoded", "engine.generate");
+        under(generate, request);
+        assert!(generate.start_unix_nano >= bridge.end_unix_nano, "the decoder generates once the bridge is over");
+        assert!(generate.events.iter().any(|e| e == "first_token"), "{:?}", generate.events);
+        for stage in ["engine.queue", "engine.restore", "engine.tail", "engine.decode"] {
+            under(one("decoded", stage), generate);
+        }
     }
 
     /// The Grafana dashboard queries only metrics the daemons publish; `pdbridge doctor` passes;
