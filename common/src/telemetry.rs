@@ -73,6 +73,10 @@ pub fn register_common(engine: &'static str, service: &'static str) {
         "Listeners reachable from other hosts with nothing authenticating callers (allowed by server.insecure)."
     );
     metrics::gauge!("pdbridge_insecure_listeners").set(0.0);
+    metrics::describe_counter!(
+        "pdbridge_trace_spans_total",
+        "Spans sent to telemetry.otlp_endpoint, by outcome (exported, failed: lost with the collector down)."
+    );
     metrics::describe_histogram!(
         "pdbridge_stage_seconds",
         metrics::Unit::Seconds,

@@ -6,7 +6,11 @@
 //! process timed (the decode engine's stages, which its adapter measures) is recorded after the
 //! fact with its own start and end ([`PastSpan`]). Without a collector every call here is a no-op.
 
-use std::{collections::HashMap, time::SystemTime};
+use std::{
+    collections::HashMap,
+    sync::atomic::{AtomicBool, Ordering},
+    time::{Duration, SystemTime},
+};
 
 use axum::http::{HeaderMap, HeaderName, HeaderValue};
 use opentelemetry::{
@@ -17,8 +21,9 @@ use opentelemetry::{
 use opentelemetry_otlp::WithExportConfig;
 use opentelemetry_sdk::{
     Resource,
+    error::OTelSdkResult,
     propagation::TraceContextPropagator,
-    trace::{BatchConfigBuilder, BatchSpanProcessor, Sampler, SdkTracerProvider},
+    trace::{BatchConfigBuilder, BatchSpanProcessor, Sampler, SdkTracerProvider, SpanData, SpanExporter},
 };
 use tonic::metadata::{MetadataKey, MetadataMap, MetadataValue};
 use tracing::{Span, Subscriber};
@@ -57,6 +62,7 @@ impl Exporting {
             .with_service_name(service)
             .with_attribute(KeyValue::new("service.version", env!("CARGO_PKG_VERSION")))
             .build();
+        let exporter = Counted { inner: exporter, failing: AtomicBool::new(false) };
         let provider = SdkTracerProvider::builder()
             .with_span_processor(BatchSpanProcessor::builder(exporter).with_batch_config(batch).build())
             .with_sampler(Sampler::ParentBased(Box::new(Sampler::TraceIdRatioBased(config.sample_ratio))))
@@ -84,6 +90,42 @@ impl Exporting {
             Ok(Err(e)) => tracing::warn!(error = %e, "the last spans were not exported"),
             Err(e) => tracing::warn!(error = %e, "the last spans were not exported"),
         }
+    }
+}
+
+/// An exporter that counts the spans it sends and those lost to a collector that did not take
+/// them (otherwise silent), and logs when exporting starts failing and when it recovers.
+#[derive(Debug)]
+struct Counted<E> {
+    inner: E,
+    failing: AtomicBool,
+}
+
+impl<E: SpanExporter> SpanExporter for Counted<E> {
+    async fn export(&self, batch: Vec<SpanData>) -> OTelSdkResult {
+        let spans = batch.len() as u64;
+        let result = self.inner.export(batch).await;
+        let outcome = if result.is_ok() { "exported" } else { "failed" };
+        metrics::counter!("pdbridge_trace_spans_total", "outcome" => outcome).increment(spans);
+        let was_failing = self.failing.swap(result.is_err(), Ordering::Relaxed);
+        match &result {
+            Err(e) if !was_failing => tracing::warn!(error = %e, "spans are not reaching telemetry.otlp_endpoint"),
+            Ok(()) if was_failing => tracing::info!("spans reach telemetry.otlp_endpoint again"),
+            _ => {}
+        }
+        result
+    }
+
+    fn shutdown_with_timeout(&self, timeout: Duration) -> OTelSdkResult {
+        self.inner.shutdown_with_timeout(timeout)
+    }
+
+    fn force_flush(&self) -> OTelSdkResult {
+        self.inner.force_flush()
+    }
+
+    fn set_resource(&mut self, resource: &Resource) {
+        self.inner.set_resource(resource);
     }
 }
 

@@ -98,7 +98,12 @@ fn hex(bytes: &[u8]) -> String {
 
 impl OtlpReceiver {
     pub async fn start() -> OtlpReceiver {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind the OTLP receiver");
+        OtlpReceiver::start_on("127.0.0.1:0".parse().unwrap()).await
+    }
+
+    /// A receiver on `addr` (a collector that comes up where the daemons already export to).
+    pub async fn start_on(addr: std::net::SocketAddr) -> OtlpReceiver {
+        let listener = tokio::net::TcpListener::bind(addr).await.expect("bind the OTLP receiver");
         let endpoint = format!("http://{}", listener.local_addr().unwrap());
         let (sender, received) = watch::channel(Vec::new());
         let service = TraceServiceServer::new(Collector(sender));

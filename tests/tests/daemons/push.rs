@@ -17,9 +17,10 @@ use pdbridge_common::{
     spec,
 };
 use pdbridge_tests::{
-    Daemon, Scratch,
+    Daemon, Reserved, Scratch,
     cache_store::{block_shards, cached_blocks, frames, push, rows_shards},
     fixed_spec_config,
+    otlp::OtlpReceiver,
 };
 use tokio_stream::StreamExt;
 use tonic::{Code, transport::Channel};
@@ -496,4 +497,55 @@ async fn a_tail_travels_for_its_request_and_is_never_a_block() {
     assert_eq!(cached_blocks(&mut client, &tokens).await, 2, "the tail is no block");
     assert_eq!(tails(), 1);
     assert!(stray_files(&store).is_empty());
+}
+
+/// The trace collector going away costs spans, never pushes: with it down a Push is served and its
+/// lost span counted (and logged once); once the collector listens, the next Push's span, which
+/// continues the caller's trace, arrives there.
+#[tokio::test]
+async fn a_collector_that_is_down_costs_spans_not_pushes() {
+    let scratch = Scratch::new("collector");
+    let store = scratch.0.join("store");
+    // Nothing listens here until the collector comes up.
+    let collector = Reserved::new().addr();
+    let telemetry = format!("[telemetry]\notlp_endpoint = \"http://{collector}\"\nexport_delay = \"50ms\"\n");
+    let decoded =
+        Daemon::start("decoded", &fixed_spec_config(&scratch.0.join("spec"), &store, BLOCK_TOKENS, &telemetry)).await;
+    decoded.wait_ready(Duration::from_secs(60)).await;
+    let mut client = CacheStoreClient::new(decoded.channel().await);
+    let spec = client.get_spec(GetSpecRequest {}).await.unwrap().into_inner();
+    let (trace_id, caller) = ("0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331");
+    let traced_push = |client: &mut CacheStoreClient<Channel>, block: u32| {
+        let tokens: Vec<u32> = (0..BLOCK_TOKENS * (block + 1)).collect();
+        let open = PushOpen {
+            request_id: format!("traced-{block}"),
+            spec_fingerprint: spec.spec_fingerprint.clone(),
+            token_ids: tokens,
+            first_block: block,
+            ..Default::default()
+        };
+        let mut request = tonic::Request::new(tokio_stream::iter(frames(open, block_shards(&spec, block, 3), Some(1))));
+        request.metadata_mut().insert("traceparent", format!("00-{trace_id}-{caller}-01").parse().unwrap());
+        let mut client = client.clone();
+        async move { client.push(request).await.map(tonic::Response::into_inner) }
+    };
+
+    let receipt = traced_push(&mut client, 0).await.expect("served with the collector down");
+    assert_eq!(receipt.blocks_committed, 1);
+    let failed = "pdbridge_trace_spans_total{outcome=\"failed\"}";
+    decoded.wait_metric(failed, 2.0, Duration::from_secs(30)).await; // store.push and store.commit
+    assert!(decoded.log_text().contains("spans are not reaching telemetry.otlp_endpoint"));
+
+    let receiver = OtlpReceiver::start_on(collector).await;
+    let receipt = traced_push(&mut client, 1).await.expect("served with the collector up");
+    assert_eq!(receipt.blocks_committed, 1);
+    let spans =
+        receiver.wait_for(Duration::from_secs(30), |spans| spans.iter().any(|s| s.name == "store.commit")).await;
+    let push = spans.iter().find(|s| s.name == "store.push").expect("the Push's span");
+    assert_eq!((push.service.as_str(), push.trace_id.as_str(), push.parent_id.as_str()), ("decoded", trace_id, caller));
+    assert_eq!(push.attribute("pdbridge.request_id"), Some("traced-1"));
+    let commit = spans.iter().find(|s| s.name == "store.commit").unwrap();
+    assert_eq!(commit.parent_id, push.span_id);
+    decoded.wait_metric("pdbridge_trace_spans_total{outcome=\"exported\"}", 2.0, Duration::from_secs(30)).await;
+    assert!(decoded.log_text().contains("spans reach telemetry.otlp_endpoint again"));
 }
