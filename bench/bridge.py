@@ -274,7 +274,8 @@ class EngineLog:
             time.sleep(0.1)
 
 
-def timed(client: Client, log: EngineLog, prompt: dict, mode: str, max_tokens: int) -> dict:
+def timed(client: Client, log: EngineLog, prompt: dict, mode: str, max_tokens: int,
+          headers: dict | None = None) -> dict:
     body = {"messages": prompt["messages"], "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
     offset = log.mark()
@@ -283,7 +284,8 @@ def timed(client: Client, log: EngineLog, prompt: dict, mode: str, max_tokens: i
     first = last = None
     chunks, pieces, usage, finish, error, verdict, status = 0, [], {}, None, None, None, None
     try:
-        with client.post("/v1/chat/completions", body, {"x-pd-bridge-mode": mode}, timeout=3600) as response:
+        sent = {"x-pd-bridge-mode": mode, **(headers or {})}
+        with client.post("/v1/chat/completions", body, sent, timeout=3600) as response:
             status = response.status
             verdict = json.loads(response.headers.get("x-pd-bridge") or "null")
             for raw in response:

@@ -196,13 +196,13 @@ class Topology:
     """`prefillers` prefilld instances and one decoded per entry of `decoders` on `model`, each
     listing all of the other side, ready on entry, stopped on exit. A decoder entry is its block
     size; `parallel` (`[engine]` keys) spreads every prefilld's vLLM over processes; `fronts` are decoder `i`'s extra
-    `[front]` keys; `stream` every prefilld's extra `[stream]` keys; with `peers` every decoder lists the others as `[[front.peers]]` (`decoded-j`). Daemon `i` of a role is named `prefilld-i` / `decoded-i` (its folder under the
+    `[front]` keys; `stream` every prefilld's extra `[stream]` keys; with `peers` every decoder lists the others as `[[front.peers]]` (`decoded-j`); `telemetry`: every daemon's `[telemetry]` keys. Daemon `i` of a role is named `prefilld-i` / `decoded-i` (its folder under the
     run folder, its log, its `ports`)."""
 
     def __init__(self, model: str, run_dir: str, max_len: int, prefillers: int = 1,
                  decoders: tuple[int, ...] = (BLOCK_TOKENS,), decoder: str = "", prefill_dtype: str = "float32",
                  decoder_model: str | None = None, parallel: str = "", fronts: tuple[str, ...] = (),
-                 peers: bool = False, stream: str = ""):
+                 peers: bool = False, stream: str = "", telemetry: str = ""):
         self.run = (ROOT / run_dir).resolve()
         subprocess.run(["rm", "-rf", str(self.run)], check=True)
         self.ports: dict[str, dict[str, int]] = {}
@@ -225,6 +225,8 @@ class Topology:
                 toml = decoded_toml(folder, ports, model, grpc["prefilld"], decoder, decoder_model, decoders[i], front)
             else:
                 toml = prefilld_toml(folder, ports, model, max_len, grpc["decoded"], prefill_dtype, parallel, stream)
+            if telemetry:
+                toml += f"\n[telemetry]\n{telemetry}\n"
             self.tomls[name] = folder / f"{name.split('-')[0]}.toml"
             self.tomls[name].write_text(toml)
         self.procs: dict[str, subprocess.Popen] = {}

@@ -59,8 +59,10 @@ def build_hf(folder: Path, mlx_folder: Path, relayout=None, torch_dtype: str = "
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
         shutil.copy2(mlx_folder / name, folder / name)
     # transformers 5 (which vLLM uses) saves the chat template as its own file; keep that layout.
-    template = json.loads((mlx_folder / "tokenizer_config.json").read_text())["chat_template"]
-    (folder / "chat_template.jinja").write_text(template)
+    # A base model's GGUF may carry none (prepare-gguf-model.py): then there is nothing to write.
+    template = json.loads((mlx_folder / "tokenizer_config.json").read_text()).get("chat_template")
+    if template is not None:
+        (folder / "chat_template.jinja").write_text(template)
 
 
 def verify_dequantized(hf_folder: Path, mlx_folder: Path, group_size: int, relayout) -> None:
