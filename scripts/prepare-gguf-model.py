@@ -57,7 +57,7 @@ import numpy as np
 from modelkit import build_hf, ensure, write_json
 
 # Bump when the output of this script changes, so stale folders get rebuilt.
-SCRIPT_VERSION = 1
+SCRIPT_VERSION = 2
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = ROOT / "var" / "cache" / "gguf"
 CHECK_OUT = ROOT / "var" / "prepare-gguf-model"
@@ -261,12 +261,12 @@ def transformers_load(gguf: Path):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=str(gguf))
+    config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
     tensors = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=skeleton,
                                    torch_dtype=torch.float32)["tensors"]
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=str(gguf))
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     return tensors, config, tokenizer
 
 
@@ -315,6 +315,26 @@ def verify_against_gguf(folder: Path, gguf: Path, arch: dict) -> int:
     return len(seen)
 
 
+def fix_tokenizer(tokenizer, md: dict) -> None:
+    """Two things transformers' GGUF builder for Gemma leaves out, as llama.cpp (and Gemma's own
+    SentencePiece model) tokenize; check_tokenizer compares the result with SentencePiece.
+    1. The runs of 2-31 spaces are user-defined tokens, matched whole (longest first): the builder
+       respells them "▁▁..." but then leaves them to the BPE merges, which split 33
+       spaces as 16 + 17 where Gemma has 31 + 2. Added here as tokens matched on the normalized
+       (escaped) text, which keeps their own ids.
+    2. <bos> first (tokenizer.ggml.add_bos_token): the builder's post-processor adds nothing."""
+    from tokenizers import AddedToken
+
+    vocab = tokenizer.get_vocab()
+    runs = [AddedToken(t, normalized=True, special=False) for t in vocab if len(t) > 1 and set(t) == {"\u2581"}]
+    size = len(tokenizer)
+    tokenizer.add_tokens(runs)
+    if len(tokenizer) != size:
+        raise RuntimeError("adding the space-run tokens grew the vocabulary: they must keep their own ids")
+    tokenizer.add_bos_token = bool(md.get("tokenizer.ggml.add_bos_token", True))
+    tokenizer.add_eos_token = bool(md.get("tokenizer.ggml.add_eos_token", False))
+
+
 def build_mlx(folder: Path, gguf: Path, entry: dict) -> None:
     arch = ARCHS[entry["arch"]]
     md = gguf_metadata(gguf)
@@ -338,6 +358,8 @@ def build_mlx(folder: Path, gguf: Path, entry: dict) -> None:
         "eos_token_id": ids["eos"],
         "pad_token_id": ids["padding"],
         "torch_dtype": "float32",
+        # Without it, transformers 5 takes a local folder's tokenizer for an old Mistral one and warns.
+        "transformers_version": importlib.metadata.version("transformers"),
     }
     compare_config(config, hf_config)
     write_json(folder / "config.json", config)
@@ -345,14 +367,13 @@ def build_mlx(folder: Path, gguf: Path, entry: dict) -> None:
     write_json(folder / "generation_config.json",
                {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")})
 
+    fix_tokenizer(tokenizer, md)
     tokenizer.save_pretrained(str(folder))
     tokenizer_config = json.loads((folder / "tokenizer_config.json").read_text())
     for key in ("is_local", "local_files_only"):  # where this build read it from, not the tokenizer's
         tokenizer_config.pop(key, None)
     tokenizer_config["model_max_length"] = config["max_position_embeddings"]
-    # llama.cpp (tokenizer.ggml.add_bos_token) and Gemma itself: a prompt starts with <bos>.
-    tokenizer_config["add_bos_token"] = bool(md.get("tokenizer.ggml.add_bos_token", True))
-    tokenizer_config["add_eos_token"] = bool(md.get("tokenizer.ggml.add_eos_token", False))
+    tokenizer_config["add_bos_token"], tokenizer_config["add_eos_token"] = tokenizer.add_bos_token, tokenizer.add_eos_token
     write_json(folder / "tokenizer_config.json", tokenizer_config)
     special = {k: getattr(tokenizer, k) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
     write_json(folder / "special_tokens_map.json", special)
@@ -492,6 +513,7 @@ def mlx_run(mlx_folder: Path, prompts, greedy_prompt, greedy_tokens: int) -> dic
             mx.eval(chosen, top, top_lp)
             rows.append({"chosen": np.array(chosen).tolist(), "top1": np.array(top).tolist(),
                          "top1_logprob": np.array(top_lp).tolist(), "seconds": time.monotonic() - start})
+            print(f"  mlx-lm ({variant}): {len(p)} tokens in {rows[-1]['seconds']:.1f} s", flush=True)
             del logits, lp
         out[variant] = rows
     start = time.monotonic()
@@ -523,6 +545,7 @@ def vllm_run(hf_folder: Path, prompts, greedy_prompt, greedy_tokens: int) -> dic
             top_lp.append(d[best].logprob)
         out["rows"].append({"chosen": chosen, "top1": top, "top1_logprob": top_lp,
                             "seconds": time.monotonic() - start})
+        print(f"  vLLM: {len(p)} tokens in {out['rows'][-1]['seconds']:.1f} s", flush=True)
     start = time.monotonic()
     res = llm.generate([{"prompt_token_ids": greedy_prompt}],
                        SamplingParams(max_tokens=greedy_tokens, temperature=0.0, ignore_eos=True), use_tqdm=False)[0]
