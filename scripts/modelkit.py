@@ -3,6 +3,7 @@
 checkpoints): every model comes as a decoder folder (mlx-lm, quantized) and a
 prefill folder (HF/vLLM) holding the same weights dequantized bit-exactly."""
 
+import hashlib
 import json
 import shutil
 import time
@@ -11,6 +12,15 @@ from pathlib import Path
 import mlx.core as mx
 
 STAMP = ".prepare-model.stamp"
+
+
+def sha256(path: Path) -> str:
+    """A file's SHA-256, read in 1 MiB pieces."""
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def write_json(path: Path, obj: dict) -> None:

