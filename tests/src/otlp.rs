@@ -35,6 +35,46 @@ impl ReceivedSpan {
     }
 }
 
+/// One trace's spans, asserted on as a tree (a failed assertion prints the tree).
+pub struct Trace(Vec<ReceivedSpan>);
+
+impl Trace {
+    pub fn of(spans: &[ReceivedSpan], trace_id: &str) -> Trace {
+        Trace(spans.iter().filter(|s| s.trace_id == trace_id).cloned().collect())
+    }
+
+    /// Whether `spans` hold a span `name` that `service` sent in trace `trace_id`.
+    pub fn holds(spans: &[ReceivedSpan], trace_id: &str, service: &str, name: &str) -> bool {
+        spans.iter().any(|s| s.trace_id == trace_id && s.service == service && s.name == name)
+    }
+
+    pub fn spans(&self) -> impl Iterator<Item = &ReceivedSpan> {
+        self.0.iter()
+    }
+
+    /// The spans `name` that `service` sent.
+    pub fn all(&self, service: &str, name: &str) -> Vec<&ReceivedSpan> {
+        self.0.iter().filter(|s| s.service == service && s.name == name).collect()
+    }
+
+    /// The one span `name` that `service` sent.
+    pub fn one(&self, service: &str, name: &str) -> &ReceivedSpan {
+        let found = self.all(service, name);
+        assert_eq!(found.len(), 1, "one {service}:{name} in {}", self.tree());
+        found[0]
+    }
+
+    pub fn assert_under(&self, child: &ReceivedSpan, parent: &ReceivedSpan) {
+        assert_eq!(child.parent_id, parent.span_id, "{} under {} in {}", child.name, parent.name, self.tree());
+    }
+
+    pub fn tree(&self) -> String {
+        let lines: Vec<String> =
+            self.0.iter().map(|s| format!("{}:{} {} <- {}", s.service, s.name, s.span_id, s.parent_id)).collect();
+        lines.join("\n")
+    }
+}
+
 pub struct OtlpReceiver {
     /// What a daemon's `telemetry.otlp_endpoint` names.
     pub endpoint: String,

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use pdbridge_tests::{
     Daemon, Engines, Pki, Reserved, Scratch, binary, license_text,
-    otlp::{OtlpReceiver, ReceivedSpan},
+    otlp::{OtlpReceiver, ReceivedSpan, Trace},
     workspace_root,
 };
 use serde_json::{Value, json};
@@ -197,7 +197,6 @@ impl Rig {
     /// the front door, prefilld, vLLM's own request span, the plugin's stages, each Push stream
     /// and block commit back on the decoder, and the decode engine's restore, tail and first token.
     async fn its_trace_follows_it_through_both_boxes(&self, blocks: u64) {
-        let ours = |s: &ReceivedSpan| s.trace_id == CLIENT_TRACE.0;
         let want = [
             ("decoded", "front.request"),
             ("decoded", "front.tokenize"),
@@ -217,60 +216,31 @@ impl Rig {
             ("decoded", "engine.restore"),
             ("decoded", "engine.tail"),
         ];
-        let spans = self
-            .traces
-            .wait_for(Duration::from_secs(60), |spans| {
-                want.iter()
-                    .all(|&(service, name)| spans.iter().any(|s| ours(s) && s.service == service && s.name == name))
-            })
-            .await;
-        let spans: Vec<&ReceivedSpan> = spans.iter().filter(|s| ours(s)).collect();
-        let tree: Vec<String> =
-            spans.iter().map(|s| format!("{}:{} {}<-{}", s.service, s.name, s.span_id, s.parent_id)).collect();
-        let one = |service: &str, name: &str| -> &ReceivedSpan {
-            let found: Vec<_> = spans.iter().filter(|s| s.service == service && s.name == name).collect();
-            assert_eq!(found.len(), 1, "one {service}:{name} in {tree:#?}");
-            found[0]
+        let arrived = |spans: &[ReceivedSpan]| {
+            want.iter().all(|&(service, name)| Trace::holds(spans, CLIENT_TRACE.0, service, name))
         };
-        let all = |service: &str, name: &str| spans.iter().filter(|s| s.service == service && s.name == name).count();
-        let under = |child: &ReceivedSpan, parent: &ReceivedSpan| {
-            assert_eq!(child.parent_id, parent.span_id, "{} under {} in {tree:#?}", child.name, parent.name);
-        };
-        let request = one("decoded", "front.request");
-        assert_eq!(request.parent_id, CLIENT_TRACE.1, "the client's span is the front door's parent");
-        assert_eq!(request.attribute("pdbridge.outcome"), Some("bridged"));
-        let bridge = one("decoded", "front.bridge");
-        under(bridge, request);
-        let call = one("decoded", "prefilld.prefill");
-        under(call, bridge);
-        let prefill = one("prefilld", "prefill");
-        under(prefill, call);
-        assert_eq!(prefill.attribute("pdbridge.outcome"), Some("bridged"));
-        let vllm = one("prefilld", "vllm.request");
-        under(vllm, prefill);
-        under(one("vllm", "llm_request"), vllm);
-        for stage in spans.iter().filter(|s| s.name.starts_with("pdbridge.")) {
-            under(stage, vllm);
-        }
+        let spans = self.traces.wait_for(Duration::from_secs(60), arrived).await;
+        let trace = Trace::of(&spans, CLIENT_TRACE.0);
+        let (request, prefill) = assert_bridge_path(&trace);
         // Each block and the tail: sent by prefilld, committed by decoded under one of its two
         // Push streams, both of which continue prefilld's span.
-        assert_eq!(all("prefilld", "push.block") as u64, blocks + 1, "{tree:#?}");
-        assert_eq!(all("decoded", "store.commit") as u64, blocks + 1, "{tree:#?}");
-        assert_eq!(all("decoded", "store.push"), 2, "{tree:#?}");
-        let pushes: Vec<&str> = spans.iter().filter(|s| s.name == "store.push").map(|s| s.span_id.as_str()).collect();
-        for span in &spans {
-            match span.name.as_str() {
-                "store.push" => under(span, prefill),
-                "store.commit" => assert!(pushes.contains(&span.parent_id.as_str()), "{tree:#?}"),
-                _ => {}
-            }
+        assert_eq!(trace.all("prefilld", "push.block").len() as u64, blocks + 1, "{}", trace.tree());
+        assert_eq!(trace.all("decoded", "store.commit").len() as u64, blocks + 1, "{}", trace.tree());
+        let pushes = trace.all("decoded", "store.push");
+        assert_eq!(pushes.len(), 2, "{}", trace.tree());
+        for push in &pushes {
+            trace.assert_under(push, prefill);
         }
-        let generate = one("decoded", "engine.generate");
-        under(generate, request);
+        for commit in trace.all("decoded", "store.commit") {
+            assert!(pushes.iter().any(|p| p.span_id == commit.parent_id), "{}", trace.tree());
+        }
+        let generate = trace.one("decoded", "engine.generate");
+        trace.assert_under(generate, request);
+        let bridge = trace.one("decoded", "front.bridge");
         assert!(generate.start_unix_nano >= bridge.end_unix_nano, "the decoder generates once the bridge is over");
         assert!(generate.events.iter().any(|e| e == "first_token"), "{:?}", generate.events);
         for stage in ["engine.queue", "engine.restore", "engine.tail", "engine.decode"] {
-            under(one("decoded", stage), generate);
+            trace.assert_under(trace.one("decoded", stage), generate);
         }
     }
 
@@ -605,6 +575,31 @@ impl Rig {
 
 /// The fields of `daemon`'s log events with this message, once there are at least `at_least`
 /// (log lines are read from the daemon's stderr as they come; gives up after 5 s).
+/// A bridged chat's path through the processes, span under span: the client's span, the front
+/// door's request, its bridge, the Prefill call, prefilld's span of it, vLLM's request, and under
+/// that vLLM's own span and every plugin stage. Returns the front door's and prefilld's spans.
+fn assert_bridge_path(trace: &Trace) -> (&ReceivedSpan, &ReceivedSpan) {
+    let request = trace.one("decoded", "front.request");
+    assert_eq!(request.parent_id, CLIENT_TRACE.1, "the client's span is the front door's parent");
+    assert_eq!(request.attribute("pdbridge.outcome"), Some("bridged"));
+    let path = [("decoded", "front.bridge"), ("decoded", "prefilld.prefill"), ("prefilld", "prefill")];
+    let mut parent = request;
+    for (service, name) in path {
+        let span = trace.one(service, name);
+        trace.assert_under(span, parent);
+        parent = span;
+    }
+    let prefill = parent;
+    assert_eq!(prefill.attribute("pdbridge.outcome"), Some("bridged"));
+    let vllm = trace.one("prefilld", "vllm.request");
+    trace.assert_under(vllm, prefill);
+    trace.assert_under(trace.one("vllm", "llm_request"), vllm);
+    for stage in trace.spans().filter(|s| s.name.starts_with("pdbridge.")) {
+        trace.assert_under(stage, vllm);
+    }
+    (request, prefill)
+}
+
 async fn logged(daemon: &Daemon, message: &str, at_least: usize) -> Vec<Value> {
     let mut events = Vec::new();
     for _ in 0..50 {
