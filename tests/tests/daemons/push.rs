@@ -20,7 +20,7 @@ use pdbridge_tests::{
     Daemon, Reserved, Scratch,
     cache_store::{block_shards, cached_blocks, frames, push, rows_shards},
     fixed_spec_config,
-    otlp::OtlpReceiver,
+    otlp::{OtlpReceiver, Trace},
 };
 use tokio_stream::StreamExt;
 use tonic::{Code, transport::Channel};
@@ -541,11 +541,11 @@ async fn a_collector_that_is_down_costs_spans_not_pushes() {
     assert_eq!(receipt.blocks_committed, 1);
     let spans =
         receiver.wait_for(Duration::from_secs(30), |spans| spans.iter().any(|s| s.name == "store.commit")).await;
-    let push = spans.iter().find(|s| s.name == "store.push").expect("the Push's span");
-    assert_eq!((push.service.as_str(), push.trace_id.as_str(), push.parent_id.as_str()), ("decoded", trace_id, caller));
+    let trace = Trace::of(&spans, trace_id);
+    let push = trace.one("decoded", "store.push");
+    assert_eq!(push.parent_id, caller, "{}", trace.tree());
     assert_eq!(push.attribute("pdbridge.request_id"), Some("traced-1"));
-    let commit = spans.iter().find(|s| s.name == "store.commit").unwrap();
-    assert_eq!(commit.parent_id, push.span_id);
+    trace.assert_under(trace.one("decoded", "store.commit"), push);
     decoded.wait_metric("pdbridge_trace_spans_total{outcome=\"exported\"}", 2.0, Duration::from_secs(30)).await;
     assert!(decoded.log_text().contains("spans reach telemetry.otlp_endpoint again"));
 }
