@@ -84,7 +84,8 @@ fast() {
   streams=("decoded/engine/tests test_chat.py"
            "common/engine/tests test_*.py decoded/engine/tests test_golden.py
             decoded/engine/tests test_stop_text.py prefilld/engine/tests test_params.py
-            prefilld/engine/tests test_capture.py prefilld/engine/tests test_streamer.py bench/gpu test_carry.py")
+            prefilld/engine/tests test_capture.py prefilld/engine/tests test_streamer.py
+            prefilld/engine/tests test_link.py bench/gpu test_carry.py")
   tier 'not binary(engines)' "$@"
 }
 

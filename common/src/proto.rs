@@ -92,6 +92,8 @@ mod tests {
                 "PluginTimings" => round_trip::<engine::PluginTimings>(&text),
                 "PluginError" => round_trip::<engine::PluginError>(&text),
                 "BlockMetadata" => round_trip::<engine::BlockMetadata>(&text),
+                "BundleRequest" => round_trip::<engine::BundleRequest>(&text),
+                "BundleReply" => round_trip::<engine::BundleReply>(&text),
                 other => Err(format!("{other} is not a message of engine.proto")),
             };
             seen.insert(message.to_owned());
@@ -101,7 +103,7 @@ mod tests {
         }
         assert!(failures.is_empty(), "{}", failures.join("\n"));
         // One golden file at least per message.
-        assert_eq!(seen.len(), 25, "{seen:?}");
+        assert_eq!(seen.len(), 27, "{seen:?}");
     }
 
     /// A spec's proto3 JSON spells enums by name and takes the proto field names or lowerCamelCase.

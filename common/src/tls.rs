@@ -13,6 +13,11 @@
 use std::{collections::BTreeSet, path::PathBuf, sync::Arc};
 
 use serde::Deserialize;
+use tokio_rustls::rustls::{
+    self,
+    pki_types::{CertificateDer, PrivateKeyDer, pem::PemObject},
+    server::WebPkiClientVerifier,
+};
 use tonic::{
     Code, Request, Status,
     transport::{Certificate, ClientTlsConfig, Endpoint, Identity, ServerTlsConfig},
@@ -81,6 +86,14 @@ pub struct Tls {
     identity: Identity,
     ca: Certificate,
     peers: Arc<BTreeSet<String>>,
+    /// The PEM files, for listeners that are not gRPC (prefilld's stage listener).
+    pem: Arc<Pem>,
+}
+
+struct Pem {
+    cert: Vec<u8>,
+    key: Vec<u8>,
+    ca: Vec<u8>,
 }
 
 impl Tls {
@@ -97,10 +110,36 @@ impl Tls {
             return Err(TlsError::Certificate("the certificate names no DNS identity".into()));
         }
         Ok(Tls {
-            identity: Identity::from_pem(cert, key),
-            ca: Certificate::from_pem(ca),
+            identity: Identity::from_pem(&cert, &key),
+            ca: Certificate::from_pem(&ca),
             peers: Arc::new(config.peers.iter().cloned().collect()),
+            pem: Arc::new(Pem { cert, key, ca }),
         })
+    }
+
+    /// A rustls server that serves our certificate and admits only clients
+    /// whose certificate chains to the CA (who they are is the caller's to
+    /// check, with [`identities`] of the presented certificate).
+    pub fn rustls_server(&self) -> Result<Arc<rustls::ServerConfig>, TlsError> {
+        let bad = |e: &dyn std::fmt::Display| TlsError::Certificate(e.to_string());
+        let chain =
+            CertificateDer::pem_slice_iter(&self.pem.cert).collect::<Result<Vec<_>, _>>().map_err(|e| bad(&e))?;
+        let key = PrivateKeyDer::from_pem_slice(&self.pem.key).map_err(|e| bad(&e))?;
+        let mut roots = rustls::RootCertStore::empty();
+        for ca in CertificateDer::pem_slice_iter(&self.pem.ca) {
+            roots.add(ca.map_err(|e| bad(&e))?).map_err(|e| bad(&e))?;
+        }
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider.clone())
+            .build()
+            .map_err(|e| bad(&e))?;
+        let config = rustls::ServerConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .map_err(|e| bad(&e))?
+            .with_client_cert_verifier(verifier)
+            .with_single_cert(chain, key)
+            .map_err(|e| bad(&e))?;
+        Ok(Arc::new(config))
     }
 
     /// Server side: our certificate; a client certificate, when offered, must

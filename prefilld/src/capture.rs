@@ -14,7 +14,9 @@
 //! The socket is the engine's, not the network's: it is created 0600, only
 //! processes of prefilld's own user may connect, and a block's payload is
 //! allocated only after its size is checked against the largest block the
-//! waiting request's decoder spec allows.
+//! waiting request's decoder spec allows. Stages on other boxes send the same
+//! frames over mutual TLS (`stage_listener`), where a connection may instead
+//! ask for a reconstruction bundle ([`serve_bundle`]).
 
 use std::{
     collections::{BTreeMap, HashMap, HashSet},
@@ -25,11 +27,11 @@ use std::{
 use bytes::{Bytes, BytesMut};
 use pdbridge_common::proto::{
     Dtype,
-    engine::{PluginFailure, PluginFrame, PluginTensor, PluginTimings, plugin_frame::Frame},
+    engine::{BundleReply, PluginFailure, PluginFrame, PluginTensor, PluginTimings, plugin_frame::Frame},
 };
 use prost::Message;
 use tokio::{
-    io::{AsyncRead, AsyncReadExt},
+    io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt},
     net::UnixListener,
     sync::mpsc,
 };
@@ -74,6 +76,15 @@ impl Stage {
     fn of(frame: &PluginFrame) -> Self {
         Stage { index: frame.stage, count: frame.stages.max(1) }
     }
+}
+
+/// One frame from the plugin.
+#[derive(Debug)]
+enum Incoming {
+    /// What it reports for one request.
+    Event { request_id: String, event: PluginEvent },
+    /// A stage on another box asks for the bundle of this SHA-256.
+    Bundle { sha256: String },
 }
 
 /// What the plugin reports for one request.
@@ -188,7 +199,7 @@ impl Router {
             }
             let router = self.clone();
             tokio::spawn(async move {
-                if let Err(e) = router.relay(stream).await {
+                if let Err(e) = router.relay(stream, None).await {
                     tracing::warn!(error = %e, "plugin connection failed");
                 }
             });
@@ -200,11 +211,21 @@ impl Router {
     /// Forwards one plugin connection's messages to their request. Requests
     /// the connection was carrying when it ends (the engine died mid-request)
     /// get an error event at once instead of waiting out their deadline.
-    async fn relay(&self, mut stream: impl AsyncRead + Unpin) -> Result<(), CaptureError> {
+    /// `bundles`: where bundles are served from, on connections that may ask
+    /// for one (a stage on another box); its answer ends the connection.
+    pub(crate) async fn relay(
+        &self,
+        mut stream: impl AsyncRead + AsyncWrite + Unpin,
+        bundles: Option<&Path>,
+    ) -> Result<(), CaptureError> {
         let mut unfinished = HashSet::new();
         let ended = loop {
-            let (request_id, event) = match read_message(&mut stream, |id| self.max_payload(id)).await {
-                Ok(Some(message)) => message,
+            let (request_id, event) = match read_incoming(&mut stream, |id| self.max_payload(id)).await {
+                Ok(Some(Incoming::Event { request_id, event })) => (request_id, event),
+                Ok(Some(Incoming::Bundle { sha256 })) => match bundles {
+                    Some(dir) if unfinished.is_empty() => break serve_bundle(&mut stream, dir, &sha256).await,
+                    _ => break Err(CaptureError::Malformed("a bundle request on a stream of blocks".into())),
+                },
                 Ok(None) => break Ok(()),
                 Err(e) => break Err(e),
             };
@@ -344,13 +365,54 @@ impl Stages {
     }
 }
 
+/// Answers a bundle request: a `BundleReply` framed like a `PluginFrame`, then
+/// the bundle's bytes, or why there are none. Only `<dir>/<sha256>.safetensors`
+/// can be read, and only for a well-formed SHA-256.
+async fn serve_bundle(stream: &mut (impl AsyncWrite + Unpin), dir: &Path, sha256: &str) -> Result<(), CaptureError> {
+    let well_formed = sha256.len() == 64 && sha256.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
+    let opened = match well_formed {
+        true => open_bundle(&dir.join(format!("{sha256}.safetensors"))).await,
+        false => Err(format!("{sha256:?} is not a SHA-256 (64 lowercase hex digits)")),
+    };
+    let reply = match &opened {
+        Ok((_, size)) => BundleReply { size: *size, error: String::new() },
+        Err(why) => BundleReply { size: 0, error: why.clone() },
+    };
+    let header = reply.encode_to_vec();
+    stream.write_all(&(header.len() as u32).to_le_bytes()).await?;
+    stream.write_all(&header).await?;
+    match opened {
+        Ok((mut file, size)) => {
+            if tokio::io::copy(&mut file, stream).await? != size {
+                return Err(CaptureError::Io(std::io::ErrorKind::UnexpectedEof.into()));
+            }
+            tracing::info!(bundle = sha256, bytes = size, "bundle served to a stage on another box");
+        }
+        Err(why) => tracing::warn!(bundle = sha256, why, "bundle refused to a stage on another box"),
+    }
+    stream.shutdown().await?;
+    Ok(())
+}
+
+async fn open_bundle(path: &Path) -> Result<(tokio::fs::File, u64), String> {
+    let missing = |e: std::io::Error| {
+        format!(
+            "no bundle {} here ({e}): prefilld fetches a decoder's bundle when it meets the decoder",
+            path.display()
+        )
+    };
+    let file = tokio::fs::File::open(path).await.map_err(missing)?;
+    let size = file.metadata().await.map_err(missing)?.len();
+    Ok((file, size))
+}
+
 /// Reads one frame; `max_payload` says how large a block the named request
 /// may receive, checked before anything is allocated for it (None: nobody
 /// waits for it, so its payload is skipped unread).
-async fn read_message(
+async fn read_incoming(
     stream: &mut (impl AsyncRead + Unpin),
     max_payload: impl Fn(&str) -> Option<usize>,
-) -> Result<Option<(String, PluginEvent)>, CaptureError> {
+) -> Result<Option<Incoming>, CaptureError> {
     let mut len = [0u8; 4];
     match stream.read_exact(&mut len).await {
         Ok(_) => {}
@@ -387,9 +449,10 @@ async fn read_message(
             }
         }
         Some(Frame::Error(error)) => PluginEvent::Error { failure: error.failure(), message: error.message },
+        Some(Frame::Bundle(request)) => return Ok(Some(Incoming::Bundle { sha256: request.sha256 })),
         None => return Err(CaptureError::Malformed("a frame that is no block, done or error".into())),
     };
-    Ok(Some((frame.request_id, event)))
+    Ok(Some(Incoming::Event { request_id: frame.request_id, event }))
 }
 
 /// A block's payload of `bytes`, if its request accepts that much (`limit`).
@@ -429,6 +492,18 @@ mod tests {
     use super::*;
 
     use pdbridge_common::proto::engine::{PluginBlock, PluginDone, PluginError};
+
+    /// The next frame, which must be a request's event.
+    async fn read_message(
+        stream: &mut (impl AsyncRead + Unpin),
+        max_payload: impl Fn(&str) -> Option<usize>,
+    ) -> Result<Option<(String, PluginEvent)>, CaptureError> {
+        Ok(match read_incoming(stream, max_payload).await? {
+            Some(Incoming::Event { request_id, event }) => Some((request_id, event)),
+            Some(other) => panic!("not an event: {other:?}"),
+            None => None,
+        })
+    }
 
     fn frame(message: PluginFrame, payload: &[u8]) -> Vec<u8> {
         let header = message.encode_to_vec();
@@ -599,6 +674,21 @@ mod tests {
         assert!(router.register("r", 1).is_ok(), "free again once the first call ends");
     }
 
+    /// Only the stage listener serves bundles: on the plugin socket the request ends the connection
+    /// and nothing is written back.
+    #[tokio::test]
+    async fn a_bundle_request_on_the_plugin_socket_is_refused() {
+        use pdbridge_common::proto::engine::BundleRequest;
+        let router = Router::new("unused.sock".into());
+        let request =
+            PluginFrame { frame: Some(Frame::Bundle(BundleRequest { sha256: "0".repeat(64) })), ..Default::default() };
+        let bytes = frame(request, &[]);
+        let mut written = Vec::new();
+        let ended = router.relay(tokio::io::join(bytes.as_slice(), &mut written), None).await;
+        assert!(matches!(ended, Err(CaptureError::Malformed(ref why)) if why.contains("bundle")), "{ended:?}");
+        assert!(written.is_empty());
+    }
+
     #[tokio::test]
     async fn a_connection_lost_mid_request_ends_that_request() {
         let router = Router::new("unused.sock".into());
@@ -609,7 +699,7 @@ mod tests {
         let mut bytes = frame(block("cut", 4, vec![tensor(0, 4)]), &[0; 4]);
         bytes.extend(frame(block("finished", 4, vec![tensor(0, 4)]), &[0; 4]));
         bytes.extend(frame(done("finished", 4), &[]));
-        router.relay(bytes.as_slice()).await.unwrap();
+        router.relay(tokio::io::join(bytes.as_slice(), tokio::io::sink()), None).await.unwrap();
         assert!(matches!(cut.events.recv().await, Some(PluginEvent::Block { .. })));
         assert!(
             matches!(cut.events.recv().await, Some(PluginEvent::Error { ref message, .. }) if message.contains("connection closed"))

@@ -74,6 +74,10 @@ impl Validate for Config {
         }
         if let Some(engine) = &self.engine {
             engine.validate()?;
+            if engine.nodes.is_some() && self.tls.is_none() {
+                // The stage listener carries caches in and bundles out: never without mutual TLS.
+                return Err(ConfigError::invalid("engine.nodes", "needs [tls] (see `pdbridge certs`)"));
+            }
         }
         Ok(())
     }
@@ -112,6 +116,8 @@ pub struct EngineConfig {
     /// "0-7|8-15").
     #[serde(default = "default_pipeline_parallel_size")]
     pub pipeline_parallel_size: u32,
+    /// One vLLM over several boxes; absent: vLLM runs on this box alone.
+    pub nodes: Option<NodesConfig>,
     /// Extra arguments appended to vLLM's command line.
     #[serde(default)]
     pub extra_args: Vec<String>,
@@ -141,19 +147,91 @@ impl Validate for EngineConfig {
         if !(1..=64).contains(&self.pipeline_parallel_size) {
             return Err(ConfigError::invalid("engine.pipeline_parallel_size", "must be between 1 and 64"));
         }
-        // The capture differs with and without stages, so prefilld must know.
-        if let Some(arg) = self.extra_args.iter().find(|a| {
-            ["--pipeline-parallel-size", "-pp"]
-                .iter()
-                .any(|flag| a.as_str() == *flag || a.starts_with(&format!("{flag}=")))
-        }) {
+        // The capture differs with and without stages, and the boxes' command lines are prefilld's
+        // to build, so prefilld must know.
+        let owned = [
+            ("--pipeline-parallel-size", "engine.pipeline_parallel_size"),
+            ("-pp", "engine.pipeline_parallel_size"),
+            ("--nnodes", "engine.nodes"),
+            ("--node-rank", "engine.nodes"),
+            ("--master-addr", "engine.nodes"),
+            ("--master-port", "engine.nodes"),
+            ("--headless", "engine.nodes"),
+        ];
+        for arg in &self.extra_args {
+            if let Some((_, key)) = owned.iter().find(|(flag, _)| arg == flag || arg.starts_with(&format!("{flag}="))) {
+                return Err(ConfigError::invalid("engine.extra_args", format!("{arg}: set {key} instead")));
+            }
+        }
+        if let Some(nodes) = &self.nodes {
+            nodes.validate()?;
+        }
+        Ok(())
+    }
+}
+
+/// `[engine.nodes]`: one vLLM over several boxes, through vLLM's own multi-node launch. This box
+/// is node 0: it runs vLLM's API server and prefilld. Every other box runs `prefilld node --rank
+/// N` with the same `[engine]` (and its own `[tls]`), which starts vLLM's workers there. Pipeline
+/// stages on those boxes stream their part of every block to prefilld's stage listener over
+/// mutual TLS; the unix socket stays for stages on this box.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NodesConfig {
+    /// Boxes vLLM spans (its `--nnodes`), this one included.
+    pub count: u32,
+    /// This box's address as the other boxes reach it: vLLM's `--master-addr`, and where their
+    /// stages stream.
+    pub head: String,
+    /// The identity on this box's certificate, which the other boxes' stages accept.
+    pub head_identity: String,
+    /// vLLM's `--master-port` on `head` (torch.distributed's rendezvous).
+    #[serde(default = "default_master_port")]
+    pub master_port: u16,
+    /// prefilld's stage listener (e.g. "0.0.0.0:7710"); the others dial `head` at its port.
+    pub stage_listen: std::net::SocketAddr,
+    /// The identities of the other boxes' certificates: only they may stream stages.
+    pub stage_peers: Vec<String>,
+}
+
+impl NodesConfig {
+    /// Where the other boxes' stages dial prefilld.
+    pub fn stage_addr(&self) -> String {
+        format!("{}:{}", self.head, self.stage_listen.port())
+    }
+}
+
+impl Validate for NodesConfig {
+    fn validate(&self) -> Result<(), ConfigError> {
+        if !(2..=64).contains(&self.count) {
+            return Err(ConfigError::invalid("engine.nodes.count", "must be between 2 and 64"));
+        }
+        if self.head.is_empty() || self.head.contains(['/', ' ']) {
+            return Err(ConfigError::invalid("engine.nodes.head", "must be a host name or address"));
+        }
+        for (key, names) in [
+            ("engine.nodes.head_identity", std::slice::from_ref(&self.head_identity)),
+            ("engine.nodes.stage_peers", self.stage_peers.as_slice()),
+        ] {
+            if names.is_empty() {
+                return Err(ConfigError::invalid(key, "list at least one identity"));
+            }
+            if let Some(bad) = names.iter().find(|name| !tls::is_identity(name)) {
+                return Err(ConfigError::invalid(key, format!("{bad:?} is not a DNS-style name")));
+            }
+        }
+        if self.stage_listen.port() == 0 {
             return Err(ConfigError::invalid(
-                "engine.extra_args",
-                format!("{arg}: set engine.pipeline_parallel_size instead"),
+                "engine.nodes.stage_listen",
+                "needs a fixed port: the other boxes dial it",
             ));
         }
         Ok(())
     }
+}
+
+fn default_master_port() -> u16 {
+    29500
 }
 
 fn default_python() -> PathBuf {
@@ -319,5 +397,39 @@ mod tests {
             let err = parse(&format!("{SERVER}[stream]\ndeadline_base = {bad}\n")).unwrap_err();
             assert!(err.to_string().contains("stream.deadline_base"), "{bad}: {err}");
         }
+    }
+
+    #[test]
+    fn engine_nodes_need_tls_names_and_a_fixed_stage_port() {
+        let engine = "[engine]\nmodel = \"m\"\npipeline_parallel_size = 2\n";
+        let nodes = |keys: &str| {
+            let base = [
+                ("count", "2"),
+                ("head", "\"10.0.0.1\""),
+                ("head_identity", "\"prefill-a\""),
+                ("stage_listen", "\"0.0.0.0:7710\""),
+                ("stage_peers", "[\"prefill-b\"]"),
+            ];
+            let mut toml = format!("{SERVER}{engine}[engine.nodes]\n{keys}");
+            for (key, value) in base.iter().filter(|(key, _)| !keys.contains(&format!("{key} ="))) {
+                toml.push_str(&format!("{key} = {value}\n"));
+            }
+            parse(&toml)
+        };
+        // Without [tls] (the test has none): refused, whatever else is right.
+        let err = nodes("").unwrap_err().to_string();
+        assert!(err.contains("engine.nodes") && err.contains("[tls]"), "{err}");
+        for (keys, key) in [
+            ("count = 1\n", "engine.nodes.count"),
+            ("head = \"\"\n", "engine.nodes.head"),
+            ("head_identity = \"prefill_a\"\n", "engine.nodes.head_identity"),
+            ("stage_peers = []\n", "engine.nodes.stage_peers"),
+            ("stage_listen = \"0.0.0.0:0\"\n", "engine.nodes.stage_listen"),
+        ] {
+            let err = nodes(keys).unwrap_err().to_string();
+            assert!(err.contains(key), "{keys}: {err}");
+        }
+        let hidden = parse(&format!("{SERVER}{engine}extra_args = [\"--nnodes=2\"]\n")).unwrap_err().to_string();
+        assert!(hidden.contains("set engine.nodes instead"), "{hidden}");
     }
 }

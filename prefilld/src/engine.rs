@@ -260,7 +260,7 @@ async fn run_once(
         port => port,
     };
     let served = Served::new(port)?;
-    let mut command = command(config, profile, port);
+    let mut command = command(config, profile, port, Role::Head);
     trace_to(&mut command, telemetry);
     let mut child = command
         .env("VLLM_API_KEY", &served.api_key)
@@ -334,8 +334,19 @@ fn architecture_args(architecture: &str, max_model_len: u32) -> Vec<String> {
     vec!["--max-num-batched-tokens".into(), max_model_len.to_string(), "--tokenizer-mode".into(), "hf".into()]
 }
 
+/// Which of vLLM's processes a command line starts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    /// Its API server and engine, beside prefilld (node 0 of `engine.nodes`).
+    Head,
+    /// The workers of another box of `engine.nodes` (`prefilld node --rank N`), which join the
+    /// head's: vLLM's `--headless`, through the plugin's entry point (vLLM's API server module
+    /// has no headless mode; its CLI's needs the package under the name `vllm`).
+    Node(u32),
+}
+
 /// The full vLLM command line: the same at every (re)start.
-fn command(config: &EngineConfig, profile: &ModelProfile, port: u16) -> Command {
+pub fn command(config: &EngineConfig, profile: &ModelProfile, port: u16, role: Role) -> Command {
     let num_layers = profile.num_layers;
     let kv_transfer = serde_json::json!({
         "kv_connector": "PdBridgeConnector",
@@ -343,8 +354,12 @@ fn command(config: &EngineConfig, profile: &ModelProfile, port: u16) -> Command 
         "kv_role": "kv_producer",
         "kv_connector_extra_config": config.plugin,
     });
+    let entry = match role {
+        Role::Head => "vllm.entrypoints.openai.api_server",
+        Role::Node(_) => "pdbridge_vllm.node",
+    };
     let mut cmd = Command::new(&config.python);
-    cmd.args(["-m", "vllm.entrypoints.openai.api_server", "--model"])
+    cmd.args(["-m", entry, "--model"])
         .arg(&config.model)
         .args(["--served-model-name", SERVED_MODEL, "--dtype", &config.dtype])
         .args(["--max-model-len", &config.max_model_len.to_string()])
@@ -368,6 +383,21 @@ fn command(config: &EngineConfig, profile: &ModelProfile, port: u16) -> Command 
         });
         cmd.args(["--enforce-eager", "--speculative-config", &speculative.to_string()]);
     }
+    if let Some(nodes) = &config.nodes {
+        let rank = match role {
+            Role::Head => 0,
+            Role::Node(rank) => rank,
+        };
+        cmd.args(["--nnodes", &nodes.count.to_string(), "--node-rank", &rank.to_string()]).args([
+            "--master-addr",
+            &nodes.head,
+            "--master-port",
+            &nodes.master_port.to_string(),
+        ]);
+        if role != Role::Head {
+            cmd.arg("--headless");
+        }
+    }
     cmd.args(architecture_args(&profile.architecture, config.max_model_len))
         .args(&config.extra_args)
         .env("PYTHONPATH", &config.plugin_dir)
@@ -387,7 +417,7 @@ fn command(config: &EngineConfig, profile: &ModelProfile, port: u16) -> Command 
 /// With `[telemetry]`, vLLM records its own span of each request (continuing the `traceparent`
 /// prefilld sends) and the plugin its spans, in vLLM's processes, which inherit these settings;
 /// all to prefilld's collector.
-fn trace_to(command: &mut Command, telemetry: &TelemetryConfig) {
+pub fn trace_to(command: &mut Command, telemetry: &TelemetryConfig) {
     if let Some(endpoint) = &telemetry.otlp_endpoint {
         command
             .args(["--otlp-traces-endpoint", endpoint])
@@ -417,7 +447,11 @@ mod tests {
         std::fs::remove_file(&file).unwrap();
         let config = config.map_err(|e| e.to_string())?;
         let profile = ModelProfile { architecture: architecture.into(), num_layers: 2, ..Default::default() };
-        Ok(command(&config, &profile, 8000).as_std().get_args().map(|a| a.to_string_lossy().into_owned()).collect())
+        Ok(command(&config, &profile, 8000, Role::Head)
+            .as_std()
+            .get_args()
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect())
     }
 
     #[test]
@@ -462,6 +496,38 @@ mod tests {
         assert!(!two.contains(&"--speculative-config".to_owned()) && !two.contains(&"--enforce-eager".to_owned()));
         let hidden = args("model = \"m\"\nextra_args = [\"--pipeline-parallel-size=2\"]").unwrap_err();
         assert!(hidden.contains("set engine.pipeline_parallel_size instead"), "{hidden}");
+    }
+
+    #[test]
+    fn the_boxes_of_engine_nodes_start_one_vllm_together() {
+        let toml = "model = \"m\"\npipeline_parallel_size = 2\n[nodes]\ncount = 2\nhead = \"10.0.0.1\"\n\
+                    head_identity = \"prefill-a\"\nstage_listen = \"0.0.0.0:7710\"\nstage_peers = [\"prefill-b\"]\n";
+        let file = std::env::temp_dir().join(format!("pdb-engine-nodes-{}.toml", std::process::id()));
+        std::fs::write(&file, toml).unwrap();
+        let sources = pdbridge_common::config::Sources { file: Some(file.clone()), ..Default::default() };
+        let config: EngineConfig = pdbridge_common::config::load(sources).unwrap();
+        std::fs::remove_file(&file).unwrap();
+        let profile = ModelProfile { architecture: "LlamaForCausalLM".into(), num_layers: 2, ..Default::default() };
+        let line = |role| {
+            let args: Vec<_> = command(&config, &profile, 8000, role)
+                .as_std()
+                .get_args()
+                .map(|a| a.to_string_lossy().into_owned())
+                .collect();
+            args.join(" ")
+        };
+        let (head, node) = (line(Role::Head), line(Role::Node(1)));
+        let joined = "--nnodes 2 --node-rank {} --master-addr 10.0.0.1 --master-port 29500";
+        assert!(
+            head.starts_with("-m vllm.entrypoints.openai.api_server") && head.contains(&joined.replace("{}", "0")),
+            "{head}"
+        );
+        assert!(node.starts_with("-m pdbridge_vllm.node") && node.contains(&joined.replace("{}", "1")), "{node}");
+        assert!(node.ends_with("--headless") && !head.contains("--headless"));
+        // Both run the stage route with the same connector.
+        for args in [&head, &node] {
+            assert!(args.contains("--pipeline-parallel-size 2") && args.contains("PdBridgeConnector"), "{args}");
+        }
     }
 
     fn kinds_and_thetas(config: serde_json::Value, layers: usize) -> Vec<(String, f64)> {

@@ -6,8 +6,10 @@ pub mod capture;
 pub mod config;
 pub mod engine;
 pub mod handshake;
+pub mod node;
 pub mod prefill;
 pub mod service;
+pub mod stage_listener;
 
 use pdbridge_common::{
     config::{LogFormat, TelemetryConfig},
@@ -85,6 +87,11 @@ pub async fn serve(listeners: Listeners, config: Config, shutdown: Shutdown) -> 
                     }
                 }
             });
+            if let (Some(nodes), Some(tls)) = (&engine.nodes, &tls) {
+                let listener = stage_listener::StageListener::bind(nodes, tls, engine.bundle_dir.clone()).await?;
+                tracing::info!(stage_listen = %listener.local_addr()?, "stage listener for the other boxes' stages");
+                tokio::spawn(listener.serve(router.clone(), engine_stop.clone()));
+            }
             let bundle_dir = engine.bundle_dir.clone();
             let (vllm, task) = engine::supervise(engine, config.telemetry.clone(), engine_stop.clone())?;
             engine_task = Some(task);

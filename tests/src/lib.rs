@@ -10,6 +10,7 @@ use std::{
     time::Duration,
 };
 
+pub mod hosts;
 pub mod otlp;
 
 use tokio::{
@@ -118,6 +119,33 @@ impl Pki {
             key = self.dir.join(format!("{name}.key")),
             ca = self.dir.join("ca.pem"),
         )
+    }
+
+    /// A TLS client (for prefilld's stage listener) trusting the CA and presenting `name`'s
+    /// certificate, or none.
+    pub fn rustls_client(&self, name: Option<&str>) -> tokio_rustls::TlsConnector {
+        use tokio_rustls::rustls::{
+            ClientConfig, RootCertStore,
+            pki_types::{CertificateDer, PrivateKeyDer, pem::PemObject},
+        };
+        let pem = |file: String| self.dir.join(file);
+        let mut roots = RootCertStore::empty();
+        roots.add(CertificateDer::from_pem_file(pem("ca.pem".into())).unwrap()).unwrap();
+        let provider = std::sync::Arc::new(tokio_rustls::rustls::crypto::ring::default_provider());
+        let builder = ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_root_certificates(roots);
+        let config = match name {
+            Some(name) => {
+                let chain = vec![CertificateDer::from_pem_file(pem(format!("{name}.pem"))).unwrap()];
+                builder
+                    .with_client_auth_cert(chain, PrivateKeyDer::from_pem_file(pem(format!("{name}.key"))).unwrap())
+                    .unwrap()
+            }
+            None => builder.with_no_client_auth(),
+        };
+        tokio_rustls::TlsConnector::from(std::sync::Arc::new(config))
     }
 
     /// `name`'s certificate, for a test's own gRPC client.
@@ -466,15 +494,18 @@ impl Engines {
     /// `[engine]` keys, e.g. `pipeline_parallel_size = 2`): one core bound to each process, as
     /// this rig has no second NUMA node for vLLM's automatic binding.
     pub fn prefilld_config_parallel(&self, var_dir: &Path, engine_keys: &str, extra: &str) -> String {
-        let (args, bind) = if engine_keys.is_empty() {
-            (String::new(), "")
-        } else {
-            (format!("{engine_keys}\n"), "VLLM_CPU_OMP_THREADS_BIND = \"0|1\"\n")
-        };
+        let bind = if engine_keys.is_empty() { "" } else { "VLLM_CPU_OMP_THREADS_BIND = \"0|1\"\n" };
+        self.prefilld_config_with(var_dir, engine_keys, bind, extra)
+    }
+
+    /// [`Engines::prefilld_config_parallel`] with `env_keys` for vLLM's `[engine.env]` instead of
+    /// its cores.
+    pub fn prefilld_config_with(&self, var_dir: &Path, engine_keys: &str, env_keys: &str, extra: &str) -> String {
+        let args = if engine_keys.is_empty() { String::new() } else { format!("{engine_keys}\n") };
         format!(
             "{server}[engine]\npython = {python:?}\nplugin_dir = {plugin:?}\nmodel = {model:?}\ndtype = {dtype:?}\n\
              max_model_len = 4096\nplugin_socket = {socket:?}\nbundle_dir = {bundles:?}\n{args}\
-             [engine.env]\nVLLM_CPU_KVCACHE_SPACE = \"2\"\nVLLM_CPU_NUM_OF_RESERVED_CPU = \"1\"\n{bind}{extra}",
+             [engine.env]\nVLLM_CPU_KVCACHE_SPACE = \"2\"\nVLLM_CPU_NUM_OF_RESERVED_CPU = \"1\"\n{env_keys}{extra}",
             server = loopback_config("prefilld", "5s"),
             python = self.python,
             plugin = self.plugin_dir,
@@ -560,6 +591,20 @@ impl Daemon {
     pub async fn metric(&self, name: &str) -> Option<f64> {
         let text = reqwest::get(self.admin_url("/metrics")).await.ok()?.text().await.ok()?;
         text.lines().find_map(|line| line.strip_prefix(name)?.strip_prefix(' ')?.trim().parse::<f64>().ok())
+    }
+
+    /// Waits until the daemon has logged a line for which `wanted` holds, failing after `limit`.
+    pub async fn wait_log(&self, what: &str, wanted: impl Fn(&str) -> bool, limit: Duration) {
+        let deadline = tokio::time::Instant::now() + limit;
+        while !self.log.lock().unwrap().iter().any(|line| wanted(line)) {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "{} logged no {what} in {limit:?}:\n{}",
+                self.name,
+                self.log_text()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
     }
 
     /// Waits until the series `name` reads at least `value`, failing after `limit`.

@@ -68,6 +68,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from . import models, protocol, spans
+from .link import RemoteLink
 from .streamer import BridgeParams, RequestStream, Streamer
 
 if TYPE_CHECKING:
@@ -276,7 +277,8 @@ class PdBridgeConnector(KVConnectorBase_V1, SupportsHMA):
                 "(--speculative-config) or, under pipeline parallelism, on the stage route "
                 f"(--additional-config '{json.dumps(models.STAGE_ROUTE)}'); this engine has neither")
         if self._is_tp_rank_zero:
-            self._streamer = Streamer(capture_ids, stage=stage, **self._streamer_args)
+            # On another box of prefilld's [engine.nodes], over TLS to its stage listener.
+            self._streamer = Streamer(capture_ids, stage=stage, link=RemoteLink.from_env(), **self._streamer_args)
 
     def _register_drafter_cache(self, kv_caches: dict[str, torch.Tensor]) -> list[int]:
         """The drafter route: its hidden-states layer's paged cache. Returns the captured ids."""

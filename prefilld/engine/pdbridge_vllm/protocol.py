@@ -1,5 +1,6 @@
-"""Framing of the plugin → prefilld unix-socket stream (the contract with prefilld's Rust side,
-`prefilld/src/capture.rs`); proto/engine.proto's `PluginFrame` documents every field.
+"""Framing of the plugin → prefilld stream (the contract with prefilld's Rust side,
+`prefilld/src/capture.rs`), on its unix socket or, from another box, its stage listener over TLS
+(`link`); proto/engine.proto's `PluginFrame` documents every field.
 
 Every frame is::
 
@@ -61,15 +62,23 @@ def _read_exact(stream: BinaryIO, n: int) -> bytes:
     return bytes(buf)
 
 
-def read_frame(stream: BinaryIO) -> tuple[engine_pb2.PluginFrame, bytes] | None:
-    """Reads one frame and its payload from a binary stream (e.g. ``sock.makefile("rb")``); None at
-    a clean EOF."""
+def read_header(stream: BinaryIO, message_class):
+    """Reads one length-prefixed message of `message_class` (a `PluginFrame`, or prefilld's
+    `BundleReply`); None at a clean EOF."""
     first = stream.read(_LEN.size)
     if not first:
         return None
     if len(first) < _LEN.size:
         first += _read_exact(stream, _LEN.size - len(first))
     (hlen,) = _LEN.unpack(first)
-    frame = engine_pb2.PluginFrame.FromString(_read_exact(stream, hlen))
+    return message_class.FromString(_read_exact(stream, hlen))
+
+
+def read_frame(stream: BinaryIO) -> tuple[engine_pb2.PluginFrame, bytes] | None:
+    """Reads one frame and its payload from a binary stream (e.g. ``sock.makefile("rb")``); None at
+    a clean EOF."""
+    frame = read_header(stream, engine_pb2.PluginFrame)
+    if frame is None:
+        return None
     size = frame.block.payload_bytes if frame.WhichOneof("frame") == "block" else 0
     return frame, _read_exact(stream, size)

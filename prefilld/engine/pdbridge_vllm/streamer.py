@@ -29,6 +29,7 @@ from google.protobuf import json_format
 from pdbridge_cache.proto import bridge_pb2, engine_pb2
 
 from . import protocol, spans
+from .link import LinkError, RemoteLink
 
 logger = logging.getLogger("vllm.pdbridge_vllm")
 
@@ -155,8 +156,10 @@ class Streamer:
                  socket_timeout_s: float = 60.0, cpus: str | None = "all", mlx_streams: int = 2,
                  max_bundles: int = 2, dense_weights: bool = False,
                  stage: tuple[int, int] | None = None, handoff: str = "auto",
-                 max_sending_mb: float = 256):
+                 max_sending_mb: float = 256, link: RemoteLink | None = None):
         self._capture_layer_ids = list(capture_layer_ids)
+        # prefilld's stage listener when this stage runs on another box; None: the request's socket.
+        self._link = link
         # (index, count) of this pipeline stage, which captures and sends only its own layers'
         # part of every block; prefilld assembles a block from every stage's part. None: all.
         self._stage = stage
@@ -287,9 +290,12 @@ class Streamer:
         path = self._bundles.get(key)
         if path is None:
             try:
-                path = reconstruct.load(p.bundle_path, p.bundle_sha256 or None, self._dense_weights)
+                path = reconstruct.load(self._bundle_file(p), p.bundle_sha256 or None, self._dense_weights)
             except reconstruct.BundleError as e:
                 self._fail(stream, e.failure, str(e))
+                raise _StreamFailed from None
+            except LinkError as e:
+                self._fail(stream, protocol.BUNDLE_UNREADABLE, str(e))
                 raise _StreamFailed from None
             if self._stage is not None:  # this stage's part of the decoder's layers
                 path = path.restricted(self._capture_layer_ids)
@@ -397,6 +403,15 @@ class Streamer:
             stream.closed = True
         self._outbox.put((stream, frame, payload), sum(len(p) for p in payload))
 
+    def _bundle_file(self, p: BridgeParams) -> str:
+        """Where the request's bundle is on this box: prefilld's path on its own box; on another,
+        this box's copy, fetched from prefilld on first use."""
+        if self._link is None:
+            return p.bundle_path
+        if not p.bundle_sha256:
+            raise LinkError("a stage on another box needs the bundle's SHA-256 to fetch it")
+        return str(self._link.bundle(p.bundle_sha256.lower(), self._socket_timeout_s))
+
     # ---- sender thread ----------------------------------------------------------------------------
 
     def _run_sender(self) -> None:
@@ -420,18 +435,27 @@ class Streamer:
         with _clock(stream, "send", frame=frame.WhichOneof("frame") or "", block=frame.block.index):
             try:
                 if stream.sock is None:  # lazily: the first message opens the request's connection
-                    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                    s.settimeout(self._socket_timeout_s)
-                    stream.sock = s
-                    s.connect(stream.params.socket)
+                    stream.sock = self._connect(stream.params.socket)
                 protocol.send_frame(stream.sock, frame, payload)
             except OSError as e:
                 # Nowhere left to report it; prefilld sees the connection fail or never open.
-                logger.error("pdbridge: socket %s for %s: %s", stream.params.socket,
-                             stream.params.request_id, e)
+                where = f"{self._link.host}:{self._link.port}" if self._link else stream.params.socket
+                logger.error("pdbridge: link %s for %s: %s", where, stream.params.request_id, e)
                 stream.failed = stream.closed = True
                 self._close(stream)
                 stream.sock = False
+
+    def _connect(self, unix_path: str) -> socket.socket:
+        if self._link is not None:
+            return self._link.connect(self._socket_timeout_s)
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(self._socket_timeout_s)
+        try:
+            s.connect(unix_path)
+        except OSError:
+            s.close()
+            raise
+        return s
 
     @staticmethod
     def _close(stream: RequestStream) -> None:

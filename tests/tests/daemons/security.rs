@@ -11,7 +11,7 @@ use pdbridge_common::proto::{
     prefiller_client::PrefillerClient,
 };
 use pdbridge_tests::{
-    Daemon, Pki, Scratch,
+    Daemon, Pki, Reserved, Scratch,
     cache_store::{block_shards, frames, push},
     decoders, fixed_spec_config, loopback_config, run_to_exit,
 };
@@ -303,4 +303,90 @@ async fn decoders_listed_for_prefilld_need_their_scheme() {
     let (status, stderr) = run_to_exit("prefilld", &["--config", path.to_str().unwrap()], &[]).await;
     assert_eq!(status.code(), Some(2), "{stderr}");
     assert!(stderr.contains("decoders.addr") && stderr.contains("https://"), "{stderr}");
+}
+
+/// What a client of prefilld's stage listener got for a bundle request: the bundle's bytes or
+/// prefilld's reason; Err when the connection itself was refused.
+async fn fetch_bundle(
+    client: tokio_rustls::TlsConnector,
+    listener: std::net::SocketAddr,
+    sha256: &str,
+) -> Result<Result<Vec<u8>, String>, String> {
+    use pdbridge_common::proto::engine::{BundleReply, BundleRequest, PluginFrame, plugin_frame::Frame};
+    use prost::Message;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let tcp = tokio::net::TcpStream::connect(listener).await.map_err(|e| e.to_string())?;
+    let name = tokio_rustls::rustls::pki_types::ServerName::try_from("prefill-a").unwrap();
+    let mut tls = client.connect(name, tcp).await.map_err(|e| e.to_string())?;
+    let request =
+        PluginFrame { frame: Some(Frame::Bundle(BundleRequest { sha256: sha256.into() })), ..Default::default() };
+    let header = request.encode_to_vec();
+    let mut bytes = (header.len() as u32).to_le_bytes().to_vec();
+    bytes.extend(header);
+    tls.write_all(&bytes).await.map_err(|e| e.to_string())?;
+    let mut len = [0u8; 4];
+    tls.read_exact(&mut len).await.map_err(|e| e.to_string())?;
+    let mut header = vec![0u8; u32::from_le_bytes(len) as usize];
+    tls.read_exact(&mut header).await.map_err(|e| e.to_string())?;
+    let reply = BundleReply::decode(header.as_slice()).map_err(|e| e.to_string())?;
+    if !reply.error.is_empty() {
+        return Ok(Err(reply.error));
+    }
+    let mut bundle = Vec::new();
+    tls.read_to_end(&mut bundle).await.map_err(|e| e.to_string())?;
+    assert_eq!(bundle.len() as u64, reply.size, "the bundle's announced size");
+    Ok(Ok(bundle))
+}
+
+/// prefilld's stage listener (`engine.nodes`), which pipeline stages on other boxes stream to: a
+/// client needs a certificate of the deployment's CA that names one of `stage_peers`, and such a
+/// stage may read a bundle prefilld holds by its SHA-256, and nothing else. The engine is a command
+/// that fails (a fault: no vLLM is needed for the listener, which serves regardless).
+#[tokio::test]
+async fn only_the_named_boxes_may_stream_stages_or_fetch_bundles() {
+    use sha2::Digest;
+    let scratch = Scratch::new("security-stages");
+    let pki = Pki::new(&["prefill-a", "prefill-b", "mac-1"]).await;
+    let model = scratch.0.join("model");
+    std::fs::create_dir_all(&model).unwrap();
+    let profile = r#"{"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2, "num_attention_heads": 2,
+                      "hidden_size": 64, "vocab_size": 32}"#;
+    for (name, text) in [("config.json", profile), ("tokenizer.json", "{}"), ("tokenizer_config.json", "{}")] {
+        std::fs::write(model.join(name), text).unwrap();
+    }
+    let bundles = scratch.0.join("bundles");
+    std::fs::create_dir_all(&bundles).unwrap();
+    let bundle: Vec<u8> = (0..300_000u32).map(|i| (i % 253) as u8).collect();
+    let sha: String = sha2::Sha256::digest(&bundle).iter().map(|b| format!("{b:02x}")).collect();
+    std::fs::write(bundles.join(format!("{sha}.safetensors")), &bundle).unwrap();
+    std::fs::write(scratch.0.join("secret.safetensors"), b"not a bundle").unwrap();
+    let stage_listen = Reserved::new().addr(); // freed at once: prefilld binds it
+    let engine = format!(
+        "[engine]\npython = \"/bin/false\"\nmodel = {model:?}\nbundle_dir = {bundles:?}\nplugin_socket = {socket:?}\n\
+         [engine.nodes]\ncount = 2\nhead = \"127.0.0.1\"\nhead_identity = \"prefill-a\"\n\
+         stage_listen = \"{stage_listen}\"\nstage_peers = [\"prefill-b\"]\n",
+        socket = scratch.0.join("plugin.sock"),
+    );
+    let without_tls = scratch.write("no-tls.toml", &(loopback_config("prefilld", "5s") + &engine));
+    let (status, stderr) = run_to_exit("prefilld", &["--config", without_tls.to_str().unwrap()], &[]).await;
+    assert_eq!(status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("engine.nodes") && stderr.contains("[tls]"), "{stderr}");
+
+    let config = loopback_config("prefilld", "5s") + &engine + &pki.section("prefill-a", &["mac-1"]);
+    let prefilld = Daemon::start("prefilld", &config).await;
+    let stage_box = || pki.rustls_client(Some("prefill-b"));
+    assert_eq!(fetch_bundle(stage_box(), stage_listen, &sha).await, Ok(Ok(bundle)), "the stage box's bundle");
+    for (asked, why) in
+        [("../secret", "not a SHA-256"), (&"0".repeat(64), "no bundle"), (&sha.to_uppercase(), "not a SHA-256")]
+    {
+        let refused = fetch_bundle(stage_box(), stage_listen, asked).await.unwrap().unwrap_err();
+        assert!(refused.contains(why), "{asked}: {refused}");
+    }
+    // The CA's certificate of a decoder, which may call Prefill but is no stage; then none at all.
+    for (client, who) in [(Some("mac-1"), "mac-1"), (None, "sent no certificates")] {
+        let refused = fetch_bundle(pki.rustls_client(client), stage_listen, &sha).await;
+        assert!(refused.is_err(), "{who}: {refused:?}");
+        let refusal = |line: &str| line.contains("stage listener: a connection refused") && line.contains(who);
+        prefilld.wait_log(&format!("refusal of {who}"), refusal, Duration::from_secs(10)).await;
+    }
 }

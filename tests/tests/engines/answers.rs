@@ -7,6 +7,7 @@ use pdbridge_common::{
 use pdbridge_tests::{Daemon, license_text};
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
+use tonic::transport::Channel;
 
 pub(crate) struct Answer {
     pub status: u16,
@@ -72,8 +73,12 @@ pub(crate) fn shared_prompt() -> Value {
 /// decoder's spec without its block size (a native answer does not depend on it) and the prompt's
 /// token ids; outside nextest, computed every time.
 pub(crate) async fn native_text(decoded: &Daemon, messages: &Value) -> String {
-    let mut spec =
-        CacheStoreClient::new(decoded.channel().await).get_spec(GetSpecRequest {}).await.expect("GetSpec").into_inner();
+    native_text_over(decoded.channel().await, decoded, messages).await
+}
+
+/// [`native_text`], reading the spec over `channel` (e.g. with a peer's certificate).
+pub(crate) async fn native_text_over(channel: Channel, decoded: &Daemon, messages: &Value) -> String {
+    let mut spec = CacheStoreClient::new(channel).get_spec(GetSpecRequest {}).await.expect("GetSpec").into_inner();
     spec.block_tokens = 0;
     let mut key = Sha256::new();
     key.update(spec::fingerprint(&spec));

@@ -3,11 +3,11 @@
 //! prompt dies mid-way, the blocks it committed stay and the other bridges the rest, which the
 //! verdict says), and one prefilld bridging for two decoders of different specs at once.
 
-use std::time::Duration;
+use std::{process::Stdio, time::Duration};
 
-use pdbridge_tests::{Daemon, Engines, Reserved, Scratch, decoders, license_text};
+use pdbridge_tests::{Daemon, Engines, Pki, Reserved, Scratch, binary, decoders, hosts::Host, license_text};
 
-use crate::answers::{chat, chat_at, chat_url, native_text, shared_prompt, user};
+use crate::answers::{chat, chat_at, chat_url, native_text, native_text_over, shared_prompt, user};
 
 const BLOCK_TOKENS: u32 = 64;
 
@@ -199,10 +199,86 @@ async fn tensor_parallel_prefill_bridges_as_the_decoder_answers() {
     parallel_prefill_bridges_as_the_decoder_answers("tp2", engines, tp2, "kv_bits = 4\nkv_group_size = 32").await;
 }
 
-/// Pipeline parallelism: each stage captures its own layers and sends its part of every block;
-/// prefilld pushes a block once every stage's part has arrived. The test model: a stage needs two
-/// layers or more, the generated Llama 3 has two in all.
+/// Pipeline parallelism over two hosts: the test's own, beside prefilld, and a network namespace
+/// joined to it by a veth pair, whose vLLM workers `prefilld node` starts (vLLM's own multi-node
+/// launch; torch.distributed and vLLM's messages cross the veth pair). Each stage captures its own
+/// layers and sends its part of every block: the first on prefilld's unix socket, the other host's
+/// over mutual TLS to prefilld's stage listener, after fetching the decoder's bundle from it there.
+/// prefilld pushes a block once both parts have arrived, and the bridged answer is the decoder's
+/// native one. The test model: a stage needs two layers or more, the generated Llama 3 has two.
 #[tokio::test]
-async fn pipeline_parallel_prefill_bridges_as_the_decoder_answers() {
-    parallel_prefill_bridges_as_the_decoder_answers("pp2", Engines::locate(), "pipeline_parallel_size = 2", "").await;
+async fn pipeline_stages_on_another_host_stream_over_mutual_tls() {
+    let scratch = Scratch::new("pp2-hosts");
+    let engines = Engines::locate();
+    let pki = Pki::new(&["prefill-a", "prefill-b", "mac-1"]).await;
+    let other = Host::create("pp2");
+    let head = other.local_addr;
+    let free_port = || std::net::TcpListener::bind((head, 0)).unwrap().local_addr().unwrap().port();
+    let decoder_port = Reserved::new();
+    let nodes = format!(
+        "[engine.nodes]\ncount = 2\nhead = \"{head}\"\nhead_identity = \"prefill-a\"\nmaster_port = {}\n\
+         stage_listen = \"{head}:{}\"\nstage_peers = [\"prefill-b\"]\n\
+         [[decoders]]\naddr = \"https://{}\"\nname = \"mac-1\"\n",
+        free_port(),
+        free_port(),
+        decoder_port.addr(),
+    );
+    // Each host's vLLM on its own core, its collectives on the link between the hosts.
+    let host_config = |name: &str, core: u32, iface: &str, addr: std::net::Ipv4Addr| {
+        let env = format!(
+            "VLLM_CPU_OMP_THREADS_BIND = \"{core}\"\nGLOO_SOCKET_IFNAME = \"{iface}\"\nVLLM_HOST_IP = \"{addr}\"\n"
+        );
+        let extra = format!("{nodes}{}", pki.section(name, &["mac-1"]));
+        engines.prefilld_config_with(&scratch.0.join(name), "pipeline_parallel_size = 2", &env, &extra)
+    };
+    let prefilld = Daemon::start("prefilld", &host_config("prefill-a", 0, &other.local_iface, head)).await;
+    let node_config = scratch.write("prefill-b.toml", &host_config("prefill-b", 1, &other.iface, other.addr));
+    let node_log = std::fs::File::create(scratch.0.join("prefill-b.log")).unwrap();
+    let mut node = other
+        .command(binary("prefilld"))
+        .args(["node", "--rank", "1", "--config"])
+        .arg(&node_config)
+        .stdin(Stdio::null())
+        .stdout(node_log.try_clone().unwrap())
+        .stderr(node_log)
+        .kill_on_drop(true)
+        .spawn()
+        .expect("prefilld node on the other host");
+    let front = format!(
+        "[front]\nlisten = \"127.0.0.1:0\"\nprefilld = \"https://{}\"\nprefilld_name = \"prefill-a\"\n\
+         min_bridge_tokens = {BLOCK_TOKENS}\n{}",
+        prefilld.grpc,
+        pki.section("mac-1", &["prefill-a"]),
+    );
+    let config = engines.decoded_config(&scratch.0.join("store"), BLOCK_TOKENS, &front);
+    let decoded = Daemon::start("decoded", &decoder_port.release_into(&config)).await;
+    decoded.wait_ready(Duration::from_secs(300)).await;
+    let node_log = || std::fs::read_to_string(scratch.0.join("prefill-b.log")).unwrap_or_default();
+    tokio::select! {
+        () = prefilld.wait_ready(Duration::from_secs(900)) => {}
+        exited = node.wait() => panic!("prefilld node exited: {exited:?}\n{}", node_log()),
+    }
+
+    let prompt = shared_prompt();
+    let bridged = chat(&decoded, &prompt, "auto").await;
+    if bridged.verdict["outcome"] != "bridged" {
+        panic!(
+            "not bridged: {}\nprefilld's log:\n{}\nthe other host's:\n{}",
+            bridged.verdict,
+            prefilld.log_text(),
+            node_log()
+        );
+    }
+    let whole = bridged.prompt_tokens() / u64::from(BLOCK_TOKENS);
+    assert_eq!(bridged.verdict["blocks"].as_u64(), Some(whole), "each block once: {}", bridged.verdict);
+    let peer = decoded.channel_as(Some(&pki.client("prefill-a")), "mac-1").await.unwrap();
+    assert_eq!(bridged.text(), native_text_over(peer, &decoded, &prompt).await, "bridged and native differ");
+    // The other host's stage read the bundle from prefilld, over the link, into its own folder.
+    let fetched: Vec<_> = std::fs::read_dir(scratch.0.join("prefill-b/bundles")).unwrap().flatten().collect();
+    assert_eq!(fetched.len(), 1, "the other host's bundle folder: {fetched:?}");
+    assert!(prefilld.log_text().contains("bundle served to a stage on another box"), "{}", prefilld.log_text());
+    // SAFETY: kill(2) on the child we spawned: `prefilld node` stops vLLM's workers and exits.
+    unsafe { libc::kill(node.id().expect("running") as i32, libc::SIGTERM) };
+    let stopped = tokio::time::timeout(Duration::from_secs(60), node.wait()).await;
+    assert!(matches!(stopped, Ok(Ok(status)) if status.success()), "prefilld node's stop: {stopped:?}\n{}", node_log());
 }
