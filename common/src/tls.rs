@@ -133,12 +133,16 @@ impl Tls {
         let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider.clone())
             .build()
             .map_err(|e| bad(&e))?;
-        let config = rustls::ServerConfig::builder_with_provider(provider)
+        let mut config = rustls::ServerConfig::builder_with_provider(provider)
             .with_safe_default_protocol_versions()
             .map_err(|e| bad(&e))?
             .with_client_cert_verifier(verifier)
             .with_single_cert(chain, key)
             .map_err(|e| bad(&e))?;
+        // No TLS 1.3 session tickets: a client that never reads (a stage only writes) would close
+        // with them unread, which makes its kernel reset the connection, and a reset can drop the
+        // last frames it sent before they are read here.
+        config.send_tls13_tickets = 0;
         Ok(Arc::new(config))
     }
 

@@ -338,6 +338,25 @@ async fn fetch_bundle(
     Ok(Ok(bundle))
 }
 
+/// Sends a `done` for a request nobody waits for, reads nothing, and drops the connection.
+async fn stage_writes_and_leaves(client: tokio_rustls::TlsConnector, listener: std::net::SocketAddr) {
+    use pdbridge_common::proto::engine::{PluginDone, PluginFrame, plugin_frame::Frame};
+    use prost::Message;
+    use tokio::io::AsyncWriteExt;
+    let tcp = tokio::net::TcpStream::connect(listener).await.unwrap();
+    let name = tokio_rustls::rustls::pki_types::ServerName::try_from("prefill-a").unwrap();
+    let mut tls = client.connect(name, tcp).await.unwrap();
+    let done = PluginFrame {
+        request_id: "nobody".into(),
+        frame: Some(Frame::Done(PluginDone::default())),
+        ..Default::default()
+    };
+    let header = done.encode_to_vec();
+    tls.write_all(&(header.len() as u32).to_le_bytes()).await.unwrap();
+    tls.write_all(&header).await.unwrap();
+    tls.flush().await.unwrap();
+}
+
 /// prefilld's stage listener (`engine.nodes`), which pipeline stages on other boxes stream to: a
 /// client needs a certificate of the deployment's CA that names one of `stage_peers`, and such a
 /// stage may read a bundle prefilld holds by its SHA-256, and nothing else. The engine is a command
@@ -382,6 +401,15 @@ async fn only_the_named_boxes_may_stream_stages_or_fetch_bundles() {
         let refused = fetch_bundle(stage_box(), stage_listen, asked).await.unwrap().unwrap_err();
         assert!(refused.contains(why), "{asked}: {refused}");
     }
+    // A stage writes and never reads, then closes without a TLS goodbye, as the plugin does: every
+    // frame it sent is read (one for a request nobody waits for is logged), and its connection
+    // ends cleanly. Anything unread on its side (TLS session tickets) would make its kernel reset
+    // the connection instead, which can lose the last frames.
+    stage_writes_and_leaves(stage_box(), stage_listen).await;
+    let dropped = |line: &str| line.contains("plugin message for a request nobody waits for");
+    prefilld.wait_log("the stage's last frame", dropped, Duration::from_secs(10)).await;
+    assert_eq!(fetch_bundle(stage_box(), stage_listen, &sha).await.map(|b| b.is_ok()), Ok(true));
+    assert!(!prefilld.log_text().contains("stage connection failed"), "{}", prefilld.log_text());
     // The CA's certificate of a decoder, which may call Prefill but is no stage; then none at all.
     for (client, who) in [(Some("mac-1"), "mac-1"), (None, "sent no certificates")] {
         let refused = fetch_bundle(pki.rustls_client(client), stage_listen, &sha).await;
