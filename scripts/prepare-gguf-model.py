@@ -33,7 +33,8 @@ Usage:
   .venv/bin/python scripts/prepare-gguf-model.py --model gemma3-270m [--out models] [--fetch-only] [--check]
   --fetch-only  only download and join the GGUF (no CPU-heavy step).
   --check       also: the built tokenizer against the GGUF's own vocabulary (SentencePiece, as
-                llama.cpp tokenizes), then mlx-lm and vLLM-CPU on the same token ids (next-token
+                llama.cpp tokenizes), then mlx-lm and vLLM-CPU (with the plugin's capture class, as
+                the bridge runs it) on the same token ids (next-token
                 log-probabilities over prompts of the repo's LICENSE, greedy continuations); the
                 numbers are printed and written to var/prepare-gguf-model/<model>-check.json.
 """
@@ -483,21 +484,13 @@ def mlx_run(mlx_folder: Path, prompts, greedy_prompt, greedy_tokens: int) -> dic
     from mlx_lm.generate import generate_step
 
     model, _ = load(str(mlx_folder))
-    hidden = model.args.hidden_size
-    # mlx-lm scales the embedding by sqrt(hidden) rounded to bf16 (25.25 for 640), vLLM by the fp32
-    # value (25.2982): the variant "exact_scale" feeds input embeddings pre-multiplied by the ratio.
-    ratio = hidden**0.5 / mx.array(hidden**0.5, mx.bfloat16).astype(mx.float32).item()
-    out = {"embed_scale_bf16": mx.array(hidden**0.5, mx.bfloat16).astype(mx.float32).item(),
-           "embed_scale_exact": hidden**0.5}
-    for variant in ("stock", "exact_scale"):
+    out = {}
+    for variant in ("stock",):
         rows = []
         for p in prompts:
             x = mx.array(p)[None]
-            emb = None
-            if variant == "exact_scale":
-                emb = model.model.embed_tokens(x) * ratio
             start = time.monotonic()
-            logits = model(x, cache=model.make_cache(), input_embeddings=emb)[0].astype(mx.float32)
+            logits = model(x, cache=model.make_cache())[0].astype(mx.float32)
             lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
             nxt = mx.array(p[1:])
             chosen = mx.take_along_axis(lp[:-1], nxt[:, None], axis=-1)[:, 0]
@@ -518,6 +511,9 @@ def mlx_run(mlx_folder: Path, prompts, greedy_prompt, greedy_tokens: int) -> dic
 def vllm_run(hf_folder: Path, prompts, greedy_prompt, greedy_tokens: int) -> dict:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    # vLLM as the bridge runs it: the plugin's capture class, which takes the decoder's arithmetic
+    # where vLLM's differs (Gemma 3's embedding scale, rounded to bf16 by mlx-lm).
+    os.environ["PDBRIDGE_CAPTURE"] = "1"
     from vllm import LLM, SamplingParams
 
     start = time.monotonic()
@@ -577,9 +573,7 @@ def check_engines(mlx_folder: Path, hf_folder: Path) -> dict:
     same = next((i for i, (a, b) in enumerate(zip(m["greedy"], v["greedy"])) if a != b), None)
     result = {
         "prompt_tokens": [len(p) for p in prompts],
-        "mlx_stock_vs_vllm": compare(prompts, m["stock"], v["rows"]),
-        "mlx_exact_embed_scale_vs_vllm": compare(prompts, m["exact_scale"], v["rows"]),
-        "embed_scale": {"mlx": m["embed_scale_bf16"], "vllm": m["embed_scale_exact"]},
+        "mlx_vs_vllm_capture_class": compare(prompts, m["stock"], v["rows"]),
         "greedy": {
             "prompt": tok.decode(greedy_prompt[1:]),
             "mlx": tok.decode(m["greedy"]), "vllm": tok.decode(v["greedy"]),
@@ -589,7 +583,7 @@ def check_engines(mlx_folder: Path, hf_folder: Path) -> dict:
         "seconds": {"mlx_total": mlx_seconds, "vllm_total": vllm_seconds, "vllm_start": v["start_seconds"],
                     "mlx_greedy": m["greedy_seconds"], "vllm_greedy": v["greedy_seconds"]},
     }
-    for key in ("mlx_stock_vs_vllm", "mlx_exact_embed_scale_vs_vllm"):
+    for key in ("mlx_vs_vllm_capture_class",):
         print(f"check: {key}")
         for s in result[key]:
             print(f"  {s['tokens']:5d} tokens: top-1 {s['top1_agree']}/{s['positions']} ({s['top1_agreement']:.4f}), "

@@ -85,6 +85,10 @@ class RemoteLink:
                 if reply is None or reply.error:
                     raise LinkError(f"prefilld refused bundle {sha256}: {reply.error if reply else 'no reply'}")
                 digest = _copy(stream, reply.size, partial)
+                # prefilld's TLS goodbye: read, so this side closes with nothing unread (which
+                # would reset the connection under prefilld's last write).
+                if stream.read(1):
+                    raise LinkError(f"prefilld sent more than bundle {sha256}'s {reply.size} bytes")
             if digest != sha256:
                 raise LinkError(f"bundle {sha256} arrived with SHA-256 {digest}")
             os.replace(partial, path)

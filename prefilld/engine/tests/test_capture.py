@@ -86,6 +86,40 @@ class CaptureTest(unittest.TestCase):
             torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+class DecoderArithmeticTest(unittest.TestCase):
+    """Where vLLM's class computes a layer's input otherwise than the decoder, the capture class
+    takes the decoder's arithmetic: held here to mlx-lm's own model."""
+
+    def test_gemma3_embeddings_are_scaled_as_the_decoder_scales_them(self):
+        import mlx.core as mx
+        import mlx.nn
+        from mlx_lm.models import gemma3_text
+
+        hidden = 640  # Gemma 3 270M's, whose √ is not a bf16 value
+        args = gemma3_text.ModelArgs(model_type="gemma3_text", hidden_size=hidden, num_hidden_layers=1,
+                                     intermediate_size=8, num_attention_heads=1, num_key_value_heads=1,
+                                     head_dim=8, vocab_size=4, sliding_window_pattern=1)
+        decoder = gemma3_text.Model(args)
+        first_layer_inputs = []
+
+        class FirstLayer(mlx.nn.Module):
+            def __call__(self, h, mask=None, cache=None):
+                first_layer_inputs.append(h)
+                return h
+
+        decoder.model.layers = [FirstLayer()]
+        decoder.model.embed_tokens.weight = mx.ones((4, hidden))
+        decoder(mx.array([[1]]))
+        decoders_scale = first_layer_inputs[0][0, 0, 0].item()
+
+        inner = nn.Module()  # vLLM's Gemma3Model's: its config and its fp32 `normalizer` buffer
+        inner.config = mock.Mock(hidden_size=hidden)
+        inner.register_buffer("normalizer", torch.tensor(hidden**0.5), persistent=False)
+        self.assertNotEqual(inner.normalizer.item(), decoders_scale)
+        models.DECODER_ARITHMETIC["Gemma3ForCausalLM"](inner)
+        self.assertEqual((inner.normalizer.item(), inner.normalizer.dtype), (decoders_scale, torch.float32))
+
+
 class RegistrationTest(unittest.TestCase):
     """The plugin's classes replace vLLM's own only in an engine the bridge captures from: another
     vLLM of the environment (on CUDA, in its default CUDA-graph mode) keeps vLLM's classes."""
