@@ -193,6 +193,13 @@ fn register_metrics() {
         metrics::Unit::Bytes,
         "Cache bytes per token of the last bridged request."
     );
+    metrics::describe_counter!(
+        stage_listener::CONNECTIONS,
+        "Connections to the stage listener (engine.nodes) by outcome: admitted, or refused (no certificate of the CA, or an identity not in stage_peers)."
+    );
+    for outcome in ["admitted", "refused"] {
+        metrics::counter!(stage_listener::CONNECTIONS, "outcome" => outcome).absolute(0);
+    }
     for (name, help) in [
         ("pdbridge_stream_bytes_total", "Payload bytes streamed to decoders."),
         ("pdbridge_stream_blocks_total", "Blocks streamed to decoders."),

@@ -17,6 +17,9 @@ use tokio_util::sync::CancellationToken;
 
 use crate::{capture::Router, config::NodesConfig};
 
+/// Connections to the stage listener by outcome (`admitted`, `refused`).
+pub const CONNECTIONS: &str = "pdbridge_stage_connections_total";
+
 /// Longest a TLS handshake may take: a peer that stalls it holds a task, not the listener.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -67,10 +70,12 @@ impl StageListener {
                 let stream = match this.admit(tcp).await {
                     Ok((stream, peer)) => {
                         tracing::debug!(%addr, peer, "stage connected");
+                        metrics::counter!(CONNECTIONS, "outcome" => "admitted").increment(1);
                         stream
                     }
                     Err(why) => {
                         tracing::warn!(%addr, why, "stage listener: a connection refused");
+                        metrics::counter!(CONNECTIONS, "outcome" => "refused").increment(1);
                         return;
                     }
                 };

@@ -417,4 +417,6 @@ async fn only_the_named_boxes_may_stream_stages_or_fetch_bundles() {
         let refusal = |line: &str| line.contains("stage listener: a connection refused") && line.contains(who);
         prefilld.wait_log(&format!("refusal of {who}"), refusal, Duration::from_secs(10)).await;
     }
+    let refused = r#"pdbridge_stage_connections_total{outcome="refused"}"#;
+    assert_eq!(prefilld.metric(refused).await, Some(2.0), "the two refusals, counted");
 }
