@@ -7,8 +7,9 @@
 # tokens, and a question) through decoded's front door bridged, then forced
 # native, prints both answers, and ends with one JSON line of results.
 #
-#   scripts/demo.sh [--model smollm2|llama3|qwen3|…]   (default: the embedded SmolLM2;
-#   other names are generated families, see scripts/make-tiny-model.py)
+#   scripts/demo.sh [--model smollm2|gemma3-270m|llama3|qwen3|…]   (default: the embedded
+#   SmolLM2; gemma3-270m: the real Gemma 3 270M, a base model without a chat template, asked
+#   through /v1/completions; other names are generated families, see scripts/make-tiny-model.py)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -31,9 +32,10 @@ trap cleanup EXIT
 
 # A fresh store and sockets of its own, so earlier runs cannot help the demo.
 export PDB_STORE__DIR="$run/store" PDB_ENGINE__SOCKET="$run/engine.sock" PDB_ENGINE__MODEL="$decoder_model"
+export PDB_STORE__BLOCK_TOKENS="$block_tokens" PDB_FRONT__MIN_BRIDGE_TOKENS="$block_tokens"
 ./target/release/decoded --config deploy/examples/decoded.toml >"$run/decoded.log" 2>&1 &
 pids+=($!)
-unset PDB_STORE__DIR PDB_ENGINE__SOCKET PDB_ENGINE__MODEL
+unset PDB_STORE__DIR PDB_ENGINE__SOCKET PDB_ENGINE__MODEL PDB_STORE__BLOCK_TOKENS PDB_FRONT__MIN_BRIDGE_TOKENS
 export PDB_ENGINE__PLUGIN_SOCKET="$run/plugin.sock" PDB_ENGINE__MODEL="$prefill_model" PDB_ENGINE__DTYPE="$prefill_dtype"
 ./target/release/prefilld --config deploy/examples/prefilld.toml >"$run/prefilld.log" 2>&1 &
 pids+=($!)
@@ -52,4 +54,6 @@ wait_ready() {
 wait_ready decoded 9470
 wait_ready prefilld 9471
 
-.venv/bin/python scripts/demo_client.py --url http://127.0.0.1:8080 --document LICENSE
+api=chat
+[ "$chat" = 1 ] || api=completions
+.venv/bin/python scripts/demo_client.py --url http://127.0.0.1:8080 --document LICENSE --api "$api"

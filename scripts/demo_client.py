@@ -11,18 +11,18 @@ import time
 import urllib.request
 
 QUESTION = "In two sentences: what does this license let me do, and what must I keep when I redistribute?"
+# For a base model (no chat template), asked through /v1/completions: the text to continue.
+CONTINUE = "In short, this license lets anyone"
 
 
-def ask(url: str, document: str, mode: str) -> dict:
-    body = {
-        "messages": [{"role": "user", "content": f"{document}\n\n{QUESTION}"}],
-        "max_tokens": 48,
-        "temperature": 0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
+def ask(url: str, document: str, mode: str, api: str) -> dict:
+    body = {"max_tokens": 48, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    if api == "chat":
+        body["messages"] = [{"role": "user", "content": f"{document}\n\n{QUESTION}"}]
+    else:
+        body["prompt"] = f"{document}\n\n{CONTINUE}"
     request = urllib.request.Request(
-        f"{url}/v1/chat/completions",
+        f"{url}/v1/{'chat/completions' if api == 'chat' else 'completions'}",
         data=json.dumps(body).encode(),
         headers={"content-type": "application/json", "x-pd-bridge-mode": mode},
     )
@@ -40,7 +40,8 @@ def ask(url: str, document: str, mode: str) -> dict:
                 raise SystemExit(f"{mode} request failed: {chunk['error']}")
             usage = chunk.get("usage") or usage
             # The last chunk carries only the usage (no choices).
-            content = chunk["choices"][0]["delta"].get("content") if chunk["choices"] else None
+            choice = chunk["choices"][0] if chunk["choices"] else {}
+            content = choice["delta"].get("content") if "delta" in choice else choice.get("text")
             if content:
                 ttft = ttft or time.monotonic() - started
                 pieces.append(content)
@@ -51,13 +52,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--url", required=True)
     parser.add_argument("--document", required=True)
+    parser.add_argument("--api", choices=("chat", "completions"), default="chat")
     args = parser.parse_args()
     document = open(args.document, encoding="utf-8").read()
 
-    bridged = ask(args.url, document, "bridge")
+    bridged = ask(args.url, document, "bridge", args.api)
     print(f"== bridged ({bridged['ttft']:.2f} s to first token): {bridged['text']!r}", file=sys.stderr)
     print(f"   X-PD-Bridge: {json.dumps(bridged['verdict'])}", file=sys.stderr)
-    native = ask(args.url, document, "native")
+    native = ask(args.url, document, "native", args.api)
     print(f"== native  ({native['ttft']:.2f} s to first token): {native['text']!r}", file=sys.stderr)
     print(f"   X-PD-Bridge: {json.dumps(native['verdict'])}", file=sys.stderr)
 

@@ -1,8 +1,11 @@
 # Sourced by scripts/demo.sh and bench/run.sh (from the repo root, after setup-engines):
 # takes `--model NAME` out of the arguments ("$@" -> the array `args`), prepares that model
 # pair and sets `decoder_model` (mlx-lm folder), `prefill_model` (HF folder) and
-# `prefill_dtype` (what vLLM computes in). `smollm2` (the default) is the test model
-# (scripts/prepare-model.py); any other name is a family of scripts/make-tiny-model.py.
+# `prefill_dtype` (what vLLM computes in), `block_tokens` (the store's block: 256, or the
+# smallest multiple of 256 that holds the model's sliding window, which a bridged block must) and
+# `chat` (whether the model has a chat template). `smollm2` (the default) is the test model
+# (scripts/prepare-model.py), `gemma3-270m` the real Gemma 3 270M (scripts/prepare-gguf-model.py);
+# any other name is a family of scripts/make-tiny-model.py.
 model=smollm2
 args=()
 while [ $# -gt 0 ]; do
@@ -12,13 +15,21 @@ while [ $# -gt 0 ]; do
     *) args+=("$1"); shift ;;
   esac
 done
-if [ "$model" = smollm2 ]; then
-  .venv/bin/python scripts/prepare-model.py
-  decoder_model=models/smollm2-mlx prefill_model=models/smollm2-hf
-else
-  .venv/bin/python scripts/make-tiny-model.py --family "$model"
-  decoder_model=models/tiny-$model-mlx prefill_model=models/tiny-$model-hf
-fi
+case $model in
+  smollm2)
+    .venv/bin/python scripts/prepare-model.py
+    decoder_model=models/smollm2-mlx prefill_model=models/smollm2-hf ;;
+  gemma3-270m)  # a real checkpoint from its GGUF (scripts/prepare-gguf-model.py)
+    .venv/bin/python scripts/prepare-gguf-model.py --model "$model"
+    decoder_model=models/$model-mlx prefill_model=models/$model-hf ;;
+  *)
+    .venv/bin/python scripts/make-tiny-model.py --family "$model"
+    decoder_model=models/tiny-$model-mlx prefill_model=models/tiny-$model-hf ;;
+esac
 # The dtype the prefill folder was written for (vLLM's MLA on CPU needs bf16).
 prefill_dtype=$(.venv/bin/python -c 'import json, sys; print(json.load(open(sys.argv[1])).get("torch_dtype", "float32"))' \
   "$prefill_model/config.json")
+block_tokens=$(.venv/bin/python -c 'import json, sys; w = json.load(open(sys.argv[1])).get("sliding_window") or 0
+print(max(256, -(-w // 256) * 256))' "$prefill_model/config.json")
+chat=$(.venv/bin/python -c 'import json, sys; print(int(bool(json.load(open(sys.argv[1])).get("chat_template"))))' \
+  "$decoder_model/tokenizer_config.json")
