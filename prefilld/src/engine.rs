@@ -440,14 +440,22 @@ mod tests {
 
     /// The vLLM arguments prefilld starts an `architecture` with under the engine config `toml`.
     fn vllm_args(toml: &str, architecture: &str) -> Result<Vec<String>, String> {
-        let file = std::env::temp_dir().join(format!("pdb-engine-{}-{architecture}.toml", std::process::id()));
+        vllm_args_as(toml, architecture, Role::Head)
+    }
+
+    /// [`vllm_args`] for the process `role` starts.
+    fn vllm_args_as(toml: &str, architecture: &str, role: Role) -> Result<Vec<String>, String> {
+        // A file per call: the tests run side by side, several with the same architecture.
+        static N: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let file = std::env::temp_dir().join(format!("pdb-engine-{}-{n}.toml", std::process::id()));
         std::fs::write(&file, toml).unwrap();
         let sources = pdbridge_common::config::Sources { file: Some(file.clone()), ..Default::default() };
         let config: Result<EngineConfig, _> = pdbridge_common::config::load(sources);
         std::fs::remove_file(&file).unwrap();
         let config = config.map_err(|e| e.to_string())?;
         let profile = ModelProfile { architecture: architecture.into(), num_layers: 2, ..Default::default() };
-        Ok(command(&config, &profile, 8000, Role::Head)
+        Ok(command(&config, &profile, 8000, role)
             .as_std()
             .get_args()
             .map(|a| a.to_string_lossy().into_owned())
@@ -502,20 +510,7 @@ mod tests {
     fn the_boxes_of_engine_nodes_start_one_vllm_together() {
         let toml = "model = \"m\"\npipeline_parallel_size = 2\n[nodes]\ncount = 2\nhead = \"10.0.0.1\"\n\
                     head_identity = \"prefill-a\"\nstage_listen = \"0.0.0.0:7710\"\nstage_peers = [\"prefill-b\"]\n";
-        let file = std::env::temp_dir().join(format!("pdb-engine-nodes-{}.toml", std::process::id()));
-        std::fs::write(&file, toml).unwrap();
-        let sources = pdbridge_common::config::Sources { file: Some(file.clone()), ..Default::default() };
-        let config: EngineConfig = pdbridge_common::config::load(sources).unwrap();
-        std::fs::remove_file(&file).unwrap();
-        let profile = ModelProfile { architecture: "LlamaForCausalLM".into(), num_layers: 2, ..Default::default() };
-        let line = |role| {
-            let args: Vec<_> = command(&config, &profile, 8000, role)
-                .as_std()
-                .get_args()
-                .map(|a| a.to_string_lossy().into_owned())
-                .collect();
-            args.join(" ")
-        };
+        let line = |role| vllm_args_as(toml, "LlamaForCausalLM", role).unwrap().join(" ");
         let (head, node) = (line(Role::Head), line(Role::Node(1)));
         let joined = "--nnodes 2 --node-rank {} --master-addr 10.0.0.1 --master-port 29500";
         assert!(

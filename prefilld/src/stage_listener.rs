@@ -68,14 +68,15 @@ impl StageListener {
             let (this, router) = (this.clone(), router.clone());
             tokio::spawn(async move {
                 let stream = match this.admit(tcp).await {
+                    // Counted before logged: whoever reads the log line finds the count.
                     Ok((stream, peer)) => {
-                        tracing::debug!(%addr, peer, "stage connected");
                         metrics::counter!(CONNECTIONS, "outcome" => "admitted").increment(1);
+                        tracing::debug!(%addr, peer, "stage connected");
                         stream
                     }
                     Err(why) => {
-                        tracing::warn!(%addr, why, "stage listener: a connection refused");
                         metrics::counter!(CONNECTIONS, "outcome" => "refused").increment(1);
+                        tracing::warn!(%addr, why, "stage listener: a connection refused");
                         return;
                     }
                 };

@@ -305,8 +305,29 @@ async fn decoders_listed_for_prefilld_need_their_scheme() {
     assert!(stderr.contains("decoders.addr") && stderr.contains("https://"), "{stderr}");
 }
 
+/// A TLS connection to prefilld's stage listener as `client`, and `frame` sent on it as the plugin
+/// frames it.
+async fn stage_sends(
+    client: tokio_rustls::TlsConnector,
+    listener: std::net::SocketAddr,
+    frame: pdbridge_common::proto::engine::PluginFrame,
+) -> Result<tokio_rustls::client::TlsStream<tokio::net::TcpStream>, String> {
+    use prost::Message;
+    use tokio::io::AsyncWriteExt;
+    let tcp = tokio::net::TcpStream::connect(listener).await.map_err(|e| e.to_string())?;
+    let name = tokio_rustls::rustls::pki_types::ServerName::try_from("prefill-a").unwrap();
+    let mut tls = client.connect(name, tcp).await.map_err(|e| e.to_string())?;
+    let header = frame.encode_to_vec();
+    let mut bytes = (header.len() as u32).to_le_bytes().to_vec();
+    bytes.extend(header);
+    tls.write_all(&bytes).await.map_err(|e| e.to_string())?;
+    tls.flush().await.map_err(|e| e.to_string())?;
+    Ok(tls)
+}
+
 /// What a client of prefilld's stage listener got for a bundle request: the bundle's bytes or
-/// prefilld's reason; Err when the connection itself was refused.
+/// prefilld's reason; Err when the connection itself was refused. Reads to prefilld's end of the
+/// connection either way, so it closes with nothing unread.
 async fn fetch_bundle(
     client: tokio_rustls::TlsConnector,
     listener: std::net::SocketAddr,
@@ -314,26 +335,20 @@ async fn fetch_bundle(
 ) -> Result<Result<Vec<u8>, String>, String> {
     use pdbridge_common::proto::engine::{BundleReply, BundleRequest, PluginFrame, plugin_frame::Frame};
     use prost::Message;
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let tcp = tokio::net::TcpStream::connect(listener).await.map_err(|e| e.to_string())?;
-    let name = tokio_rustls::rustls::pki_types::ServerName::try_from("prefill-a").unwrap();
-    let mut tls = client.connect(name, tcp).await.map_err(|e| e.to_string())?;
+    use tokio::io::AsyncReadExt;
     let request =
         PluginFrame { frame: Some(Frame::Bundle(BundleRequest { sha256: sha256.into() })), ..Default::default() };
-    let header = request.encode_to_vec();
-    let mut bytes = (header.len() as u32).to_le_bytes().to_vec();
-    bytes.extend(header);
-    tls.write_all(&bytes).await.map_err(|e| e.to_string())?;
+    let mut tls = stage_sends(client, listener, request).await?;
     let mut len = [0u8; 4];
     tls.read_exact(&mut len).await.map_err(|e| e.to_string())?;
     let mut header = vec![0u8; u32::from_le_bytes(len) as usize];
     tls.read_exact(&mut header).await.map_err(|e| e.to_string())?;
     let reply = BundleReply::decode(header.as_slice()).map_err(|e| e.to_string())?;
+    let mut bundle = Vec::new();
+    tls.read_to_end(&mut bundle).await.map_err(|e| e.to_string())?;
     if !reply.error.is_empty() {
         return Ok(Err(reply.error));
     }
-    let mut bundle = Vec::new();
-    tls.read_to_end(&mut bundle).await.map_err(|e| e.to_string())?;
     assert_eq!(bundle.len() as u64, reply.size, "the bundle's announced size");
     Ok(Ok(bundle))
 }
@@ -341,20 +356,12 @@ async fn fetch_bundle(
 /// Sends a `done` for a request nobody waits for, reads nothing, and drops the connection.
 async fn stage_writes_and_leaves(client: tokio_rustls::TlsConnector, listener: std::net::SocketAddr) {
     use pdbridge_common::proto::engine::{PluginDone, PluginFrame, plugin_frame::Frame};
-    use prost::Message;
-    use tokio::io::AsyncWriteExt;
-    let tcp = tokio::net::TcpStream::connect(listener).await.unwrap();
-    let name = tokio_rustls::rustls::pki_types::ServerName::try_from("prefill-a").unwrap();
-    let mut tls = client.connect(name, tcp).await.unwrap();
     let done = PluginFrame {
         request_id: "nobody".into(),
         frame: Some(Frame::Done(PluginDone::default())),
         ..Default::default()
     };
-    let header = done.encode_to_vec();
-    tls.write_all(&(header.len() as u32).to_le_bytes()).await.unwrap();
-    tls.write_all(&header).await.unwrap();
-    tls.flush().await.unwrap();
+    stage_sends(client, listener, done).await.unwrap();
 }
 
 /// prefilld's stage listener (`engine.nodes`), which pipeline stages on other boxes stream to: a
@@ -379,7 +386,8 @@ async fn only_the_named_boxes_may_stream_stages_or_fetch_bundles() {
     let sha: String = sha2::Sha256::digest(&bundle).iter().map(|b| format!("{b:02x}")).collect();
     std::fs::write(bundles.join(format!("{sha}.safetensors")), &bundle).unwrap();
     std::fs::write(scratch.0.join("secret.safetensors"), b"not a bundle").unwrap();
-    let stage_listen = Reserved::new().addr(); // freed at once: prefilld binds it
+    let reserved = Reserved::new();
+    let stage_listen = reserved.addr();
     let engine = format!(
         "[engine]\npython = \"/bin/false\"\nmodel = {model:?}\nbundle_dir = {bundles:?}\nplugin_socket = {socket:?}\n\
          [engine.nodes]\ncount = 2\nhead = \"127.0.0.1\"\nhead_identity = \"prefill-a\"\n\
@@ -392,6 +400,7 @@ async fn only_the_named_boxes_may_stream_stages_or_fetch_bundles() {
     assert!(stderr.contains("engine.nodes") && stderr.contains("[tls]"), "{stderr}");
 
     let config = loopback_config("prefilld", "5s") + &engine + &pki.section("prefill-a", &["mac-1"]);
+    drop(reserved); // held until now: prefilld binds it
     let prefilld = Daemon::start("prefilld", &config).await;
     let stage_box = || pki.rustls_client(Some("prefill-b"));
     assert_eq!(fetch_bundle(stage_box(), stage_listen, &sha).await, Ok(Ok(bundle)), "the stage box's bundle");
