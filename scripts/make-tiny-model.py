@@ -54,8 +54,12 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+import torch
+from safetensors.torch import load_file as load_torch
+from safetensors.torch import save_file as save_torch
 
 from modelkit import build_hf, ensure, write_json
+from pdbridge_vllm import deepseek_checkpoint
 
 SCRIPT_VERSION = 1
 SEED = 20261201
@@ -100,6 +104,37 @@ LLAMA3 = LLAMA_LONG | {
         "original_max_position_embeddings": 1024,
     },
 }
+# DeepSeek-V4.1: the tiny shape, unquantized (mlx-lm's names) or as DeepSeek publishes it.
+DEEPSEEK_V41 = {
+    "architectures": ["DeepseekV41ForCausalLM"],
+    "model_type": "deepseek_v41",
+    "hidden_size": 128,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 2,
+    "head_dim": 64,
+    "q_lora_rank": 32,
+    "qk_rope_head_dim": 16,
+    "o_groups": 2,
+    "o_lora_rank": 32,
+    "moe_intermediate_size": 64,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "sliding_window": 32,
+    "compress_ratios": [0, 4, 4, 16],
+    "kv_source_layer_ids": [1, 3],
+    "index_source_layer_ids": [1, 3],
+    # Index heads enough that a group's score is rarely an exact tie at 0 (the scores are sums of
+    # ReLUs): MLX's argpartition and torch's topk break ties differently.
+    "index_n_heads": 8,
+    "index_head_dim": 32,
+    "index_topk": 8,
+    "hc_mult": 4,
+    "rms_norm_eps": 1e-06,
+    "max_position_embeddings": 8192,
+    "tie_word_embeddings": False,
+    "weights": {"bits": 0, "lm_head_scale": 4.0},
+}
+
 FAMILIES = {
     "llama-long": LLAMA_LONG,
     "llama3": LLAMA3,
@@ -268,35 +303,8 @@ FAMILIES = {
         "weights": {"bits": 8, "group_size": 64, "lm_head_scale": 4.0},
         "prefill_dtype": "bfloat16",
     },
-    "deepseek_v41": {
-        "architectures": ["DeepseekV41ForCausalLM"],
-        "model_type": "deepseek_v41",
-        "hidden_size": 128,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 2,
-        "head_dim": 64,
-        "q_lora_rank": 32,
-        "qk_rope_head_dim": 16,
-        "o_groups": 2,
-        "o_lora_rank": 32,
-        "moe_intermediate_size": 64,
-        "n_routed_experts": 4,
-        "num_experts_per_tok": 2,
-        "sliding_window": 32,
-        "compress_ratios": [0, 4, 4, 16],
-        "kv_source_layer_ids": [1, 3],
-        "index_source_layer_ids": [1, 3],
-        # Index heads enough that a group's score is rarely an exact tie at 0 (the scores are sums of
-        # ReLUs): MLX's argpartition and torch's topk break ties differently.
-        "index_n_heads": 8,
-        "index_head_dim": 32,
-        "index_topk": 8,
-        "hc_mult": 4,
-        "rms_norm_eps": 1e-06,
-        "max_position_embeddings": 8192,
-        "tie_word_embeddings": False,
-        "weights": {"bits": 0, "lm_head_scale": 4.0},
-    },
+    "deepseek_v41": DEEPSEEK_V41,
+    "deepseek_v41_flash": DEEPSEEK_V41 | {"weights": {"bits": 0, "lm_head_scale": 4.0, "format": "deepseek"}},
 }
 
 
@@ -538,7 +546,24 @@ def qwen3_next_to_hf(weights: dict, c: dict) -> dict:
     return out
 
 
-TO_HF = {"deepseek_v3": deepseek_v3_to_hf, "gpt_oss": gpt_oss_to_hf, "qwen3_next": qwen3_next_to_hf}
+def deepseek_v41_to_hf(weights: dict, c: dict) -> dict:
+    """DeepSeek's own names and layout (`pdbridge_vllm.deepseek_checkpoint`): experts one by one as
+    w1/w2/w3, the grouped output projection as one [groups * rank, in] matrix."""
+    out = {}
+    for name, w in weights.items():
+        if ".switch_mlp." in name:
+            layer, proj = name.split(".")[2], name.split(".")[-2]
+            w1_w2_w3 = {v: k for k, v in deepseek_checkpoint.EXPERT_PROJ.items()}[proj]
+            out |= {f"layers.{layer}.ffn.experts.{e}.{w1_w2_w3}.weight": w[e] for e in range(w.shape[0])}
+            continue
+        if name.endswith(".o_a_proj.weight"):
+            w = w.reshape(-1, w.shape[-1])
+        out[deepseek_checkpoint.deepseek_name(name)] = mx.contiguous(w)
+    return out
+
+
+TO_HF = {"deepseek_v3": deepseek_v3_to_hf, "gpt_oss": gpt_oss_to_hf, "qwen3_next": qwen3_next_to_hf,
+         "deepseek_v41": deepseek_v41_to_hf}
 
 
 def tensor_specs(config: dict, spec: dict) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -599,7 +624,8 @@ def quantized(weights: dict[str, tuple[str, np.ndarray]], bits: int, group_size:
     return out
 
 
-def build_mlx(folder: Path, family: str, tokenizer_dir: Path) -> None:
+def family_config(folder: Path, family: str, tokenizer_dir: Path) -> tuple[dict, dict]:
+    """The family's config (as mlx-lm reads it) and weights spec; the tokenizer files copied."""
     for name in TOKENIZER_FILES:
         shutil.copy2(tokenizer_dir / name, folder / name)
     tokenizer_config = json.loads((folder / "tokenizer_config.json").read_text())
@@ -613,15 +639,67 @@ def build_mlx(folder: Path, family: str, tokenizer_dir: Path) -> None:
         **generation,
         "torch_dtype": "float32",
     }
+    tokenizer_config["model_max_length"] = config["max_position_embeddings"]
+    write_json(folder / "tokenizer_config.json", tokenizer_config)
+    return config, spec
+
+
+def build_mlx(folder: Path, family: str, tokenizer_dir: Path) -> None:
+    config, spec = family_config(folder, family, tokenizer_dir)
     if spec["bits"]:
         config["quantization"] = {"group_size": spec["group_size"], "bits": spec["bits"], "mode": "affine"}
         config["quantization_config"] = config["quantization"]
-    tokenizer_config["model_max_length"] = config["max_position_embeddings"]
-    write_json(folder / "tokenizer_config.json", tokenizer_config)
     rng = np.random.default_rng(SEED)
     weights = quantized(random_weights(config, spec, rng), spec["bits"], spec["group_size"])
     mx.save_safetensors(str(folder / "model.safetensors"), weights, {"format": "mlx"})
     write_json(folder / "config.json", config)
+
+
+def build_published(folder: Path, family: str, tokenizer_dir: Path) -> None:
+    """DeepSeek-V4.1 as DeepSeek publishes it, one folder for both engines: the text model's config
+    under `text_config`, fp8 projections and fp4 experts with ue8m0 scales, the rest bf16 (the
+    mixers, sinks, router bias and compressors fp32). The engines compute in fp32 (`torch_dtype`),
+    so the tests compare fp32 caches. Verified: the decoder's mlx-lm loader and the plugin's reader
+    must find bit-equal weights."""
+    config, spec = family_config(folder, family, tokenizer_dir)
+    rng = np.random.default_rng(SEED)
+    drawn = {name: mx.array(w) for name, (_, w) in random_weights(config, spec, rng).items()}
+    tensors = {}
+    for name, w in deepseek_v41_to_hf(drawn, config).items():
+        w = torch.from_numpy(np.array(w))
+        if deepseek_checkpoint.EXPERT.fullmatch(name) or any(p in name for p in deepseek_checkpoint.FP8):
+            encode = deepseek_checkpoint.encode_fp4 if ".experts." in name else deepseek_checkpoint.encode_fp8
+            tensors[name], tensors[f"{name.removesuffix('.weight')}.scale"] = encode(w)
+        else:
+            fp32 = any(p in name for p in deepseek_checkpoint.FP32)
+            tensors[name] = w if fp32 else w.to(torch.bfloat16)
+    save_torch(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    keep = ("architectures", "model_type", "torch_dtype", "tie_word_embeddings", "bos_token_id", "eos_token_id")
+    text = {k: v for k, v in config.items() if k not in keep} | {"model_type": "deepseek_v41_text", "n_shared_experts": 1}
+    published = {k: config[k] for k in keep if k in config}
+    write_json(folder / "config.json", published | {"text_config": text,
+                                                    "quantization_config": deepseek_checkpoint.QUANTIZATION_CONFIG})
+    verify_published(folder, config)
+
+
+def verify_published(folder: Path, config: dict) -> None:
+    """mlx-lm's own loader (sanitize, mxfp8/mxfp4) and the plugin's reader must hold the same values."""
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import load_model
+
+    model, _ = load_model(folder)
+    theirs = {}
+    for name, module in model.named_modules():
+        if hasattr(module, "scales"):
+            theirs[f"{name}.weight"] = mx.dequantize(module.weight, module.scales, group_size=module.group_size,
+                                                     bits=module.bits, mode=module.mode)
+    theirs = dict(tree_flatten(model.parameters())) | theirs
+    ours = deepseek_checkpoint.read(load_torch(str(folder / "model.safetensors")), config["n_routed_experts"],
+                                    config["o_groups"])
+    for name, value in ours.items():
+        if not np.array_equal(np.array(theirs[name].astype(mx.float32)), value.numpy()):
+            raise SystemExit(f"make-tiny-model: {name} differs between mlx-lm's loader and the plugin's reader")
+    print(f"{folder.name}: {len(ours)} tensors read alike by mlx-lm and the plugin")
 
 
 def main() -> None:
@@ -641,12 +719,17 @@ def main() -> None:
     stamp = f"make-tiny-model v{SCRIPT_VERSION}\nfamily {args.family} seed {SEED} {family}\n"
     mlx_folder = args.out / f"tiny-{args.family}-mlx"
     hf_folder = args.out / f"tiny-{args.family}-hf"
+    if FAMILIES[args.family].get("weights", {}).get("format") == "deepseek":
+        folder = args.out / f"tiny-{args.family}"
+        ensure(folder, stamp, lambda tmp: build_published(tmp, args.family, args.tokenizer))
+        return
     ensure(mlx_folder, stamp, lambda tmp: build_mlx(tmp, args.family, args.tokenizer))
     to_hf = TO_HF.get(FAMILIES[args.family]["model_type"])
     config = json.loads((mlx_folder / "config.json").read_text())
     relayout = to_hf and (lambda weights: to_hf(weights, config))
     prefill_dtype = FAMILIES[args.family].get("prefill_dtype", "float32")
-    ensure(hf_folder, stamp, lambda tmp: build_hf(tmp, mlx_folder, relayout, prefill_dtype))
+    layout = f"layout {to_hf.__name__}\n" if to_hf else ""  # a new layout rebuilds the prefill folder
+    ensure(hf_folder, stamp + layout, lambda tmp: build_hf(tmp, mlx_folder, relayout, prefill_dtype))
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ fi
 # families the tests bridge (seconds each); both idempotent.
 models() {
   .venv/bin/python scripts/prepare-model.py
-  for family in llama3 qwen3 gemma3 deepseek_v3 gpt_oss qwen3_next deepseek_v41; do
+  for family in llama3 qwen3 gemma3 deepseek_v3 gpt_oss qwen3_next deepseek_v41 deepseek_v41_flash; do
     .venv/bin/python scripts/make-tiny-model.py --family "$family"
   done
 }

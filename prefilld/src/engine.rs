@@ -123,6 +123,7 @@ impl ModelProfile {
         let read = |name: &str| std::fs::read(folder.join(name)).map_err(|e| err(format!("{name}: {e}")));
         let raw: serde_json::Value =
             serde_json::from_slice(&read("config.json")?).map_err(|e| err(format!("config.json: {e}")))?;
+        let raw = with_text_config(raw);
         let config = HfConfig::deserialize(&raw).map_err(|e| err(format!("config.json: {e}")))?;
         let tokenizer = [read("tokenizer.json")?, read("tokenizer_config.json")?].concat();
         use sha2::Digest;
@@ -319,6 +320,19 @@ async fn health(http: &reqwest::Client, base: &str) -> Result<(), String> {
     }
 }
 
+/// A checkpoint that declares a multimodal architecture (DeepSeek-V4.1 as published) keeps its text
+/// model's keys under `text_config`: they count as top-level ones, as vLLM and mlx-lm read them.
+fn with_text_config(raw: serde_json::Value) -> serde_json::Value {
+    match (raw.as_object(), raw.get("text_config").and_then(|t| t.as_object())) {
+        (Some(top), Some(text)) => {
+            let mut merged = top.clone();
+            merged.extend(text.iter().map(|(k, v)| (k.clone(), v.clone())));
+            serde_json::Value::Object(merged)
+        }
+        _ => raw,
+    }
+}
+
 /// Architectures vLLM runs with the plugin's own class (vLLM-CPU has none): a port of the
 /// decoder's mlx-lm model that reads its config with mlx-lm's own code, so it applies the
 /// decoder's rope by construction (not compared at the handshake), and that keeps no KV cache.
@@ -326,12 +340,22 @@ const PLUGIN_CLASSES: &[&str] = &["DeepseekV41ForCausalLM"];
 
 /// vLLM arguments the model's architecture needs: a plugin class runs a prompt whole in one step;
 /// prefilld sends token ids, so the family's own prompt encoder (its tokenizer mode) has nothing
-/// to do.
+/// to do; and the class reads a published checkpoint's fp8 and fp4 tensors itself, dequantized,
+/// so vLLM must not set up the checkpoint's quantization (vLLM-CPU's fp8 refuses fp32 compute).
 fn architecture_args(architecture: &str, max_model_len: u32) -> Vec<String> {
     if !PLUGIN_CLASSES.contains(&architecture) {
         return Vec::new();
     }
-    vec!["--max-num-batched-tokens".into(), max_model_len.to_string(), "--tokenizer-mode".into(), "hf".into()]
+    [
+        "--max-num-batched-tokens",
+        &max_model_len.to_string(),
+        "--tokenizer-mode",
+        "hf",
+        "--hf-overrides",
+        r#"{"quantization_config": null}"#,
+    ]
+    .map(String::from)
+    .into()
 }
 
 /// Which of vLLM's processes a command line starts.
@@ -474,7 +498,9 @@ mod tests {
     #[test]
     fn deepseek_v41_runs_whole_prompts_and_plain_tokenization() {
         let args = |architecture| vllm_args("model = \"m\"\nmax_model_len = 8192", architecture).unwrap().join(" ");
-        assert!(args("DeepseekV41ForCausalLM").contains("--max-num-batched-tokens 8192 --tokenizer-mode hf"));
+        assert!(args("DeepseekV41ForCausalLM").contains(
+            r#"--max-num-batched-tokens 8192 --tokenizer-mode hf --hf-overrides {"quantization_config": null}"#
+        ));
         assert!(!args("LlamaForCausalLM").contains("--max-num-batched-tokens"));
         // Its rope is the decoder's by construction: the profile lists none to compare.
         let folder = std::env::temp_dir().join(format!("pdb-engine-v41-model-{}", std::process::id()));
@@ -488,6 +514,16 @@ mod tests {
         };
         std::fs::write(folder.join("config.json"), config("DeepseekV41ForCausalLM").to_string()).unwrap();
         assert!(ModelProfile::read(&folder).unwrap().ropes.is_empty());
+        // As published: the text model's keys under text_config.
+        let mut text = config("DeepseekV41ForCausalLM");
+        let architectures = text.as_object_mut().unwrap().remove("architectures").unwrap();
+        let nested = json!({"architectures": architectures, "text_config": text});
+        std::fs::write(folder.join("config.json"), nested.to_string()).unwrap();
+        let profile = ModelProfile::read(&folder).unwrap();
+        assert_eq!(
+            (profile.architecture.as_str(), profile.num_layers, profile.hidden_size),
+            ("DeepseekV41ForCausalLM", 2, 64)
+        );
         std::fs::write(folder.join("config.json"), config("LlamaForCausalLM").to_string()).unwrap();
         assert_eq!(ModelProfile::read(&folder).unwrap().ropes.len(), 2);
         std::fs::remove_dir_all(&folder).unwrap();

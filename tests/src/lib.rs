@@ -453,14 +453,16 @@ impl Engines {
         engines
     }
 
-    /// The same engines on a generated checkpoint (`scripts/make-tiny-model.py --family <family>`).
+    /// The same engines on a generated checkpoint (`scripts/make-tiny-model.py --family <family>`):
+    /// a folder per engine, or one folder both load (a checkpoint in its publisher's format).
     pub fn family(family: &str) -> Engines {
         let root = workspace_root();
-        let engines = Engines {
-            decoder_model: root.join(format!("models/tiny-{family}-mlx")),
-            prefill_model: root.join(format!("models/tiny-{family}-hf")),
-            ..Engines::locate()
+        let published = root.join(format!("models/tiny-{family}"));
+        let folder = |engine: &str| match published.exists() {
+            true => published.clone(),
+            false => root.join(format!("models/tiny-{family}-{engine}")),
         };
+        let engines = Engines { decoder_model: folder("mlx"), prefill_model: folder("hf"), ..Engines::locate() };
         for path in [&engines.decoder_model, &engines.prefill_model] {
             assert!(path.exists(), "{} is missing: run scripts/test.sh (it generates the checkpoints)", path.display());
         }

@@ -31,6 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 from vllm.model_executor.models.interfaces import SupportsEagle3
 
+from . import deepseek_checkpoint
+
 _FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 
@@ -441,9 +443,9 @@ def model_args(config: dict):
 
 
 class DeepseekV41ForCausalLM(nn.Module, SupportsEagle3):
-    """vLLM's model interface over `_TextModel`, with mlx-lm's parameter names (the tiny
-    checkpoint's prefill folder holds the decoder's tensors under them). EAGLE-3 interface: the
-    drafter route asks for layers' inputs with `set_aux_hidden_state_layers`."""
+    """vLLM's model interface over `_TextModel`, with mlx-lm's parameter names; it reads the
+    checkpoint as DeepSeek publishes it. EAGLE-3 interface: the drafter route asks for layers'
+    inputs with `set_aux_hidden_state_layers`."""
 
     def __init__(self, *, vllm_config, prefix: str = ""):
         super().__init__()
@@ -478,13 +480,18 @@ class DeepseekV41ForCausalLM(nn.Module, SupportsEagle3):
         return self.lm_head(hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """The checkpoint as DeepSeek publishes it (`deepseek_checkpoint`): names mapped to the
+        decoder's, fp8 and fp4 tensors dequantized."""
         params = dict(self.named_parameters())
-        loaded = set()
-        for name, tensor in weights:
+        tensors = deepseek_checkpoint.read(dict(weights), self.config.n_routed_experts, self.config.o_groups)
+        for name, tensor in tensors.items():
             if name not in params:
-                raise ValueError(f"checkpoint tensor {name} is not a parameter of DeepSeek-V4.1")
+                raise ValueError(f"checkpoint tensor {deepseek_checkpoint.deepseek_name(name)} is not a parameter "
+                                 "of DeepSeek-V4.1")
             if params[name].shape != tensor.shape:
                 raise ValueError(f"{name}: checkpoint {tuple(tensor.shape)}, model {tuple(params[name].shape)}")
             params[name].data.copy_(tensor)
-            loaded.add(name)
-        return loaded
+        missing = sorted(set(params) - set(tensors))
+        if missing:
+            raise ValueError(f"the checkpoint lacks {[deepseek_checkpoint.deepseek_name(n) for n in missing[:4]]}")
+        return set(tensors)

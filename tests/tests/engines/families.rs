@@ -52,7 +52,9 @@ async fn bridges_as_the_decoder_answers(
     // Every whole block and the tail after them: the decoder computes one prompt token. A
     // pooled cache (DeepSeek-V4.1) stores whole blocks only, of all but the last token.
     let cached = match family {
-        "deepseek_v41" => (bridged.prompt_tokens() - 1) / u64::from(BLOCK_TOKENS) * u64::from(BLOCK_TOKENS),
+        "deepseek_v41" | "deepseek_v41_flash" => {
+            (bridged.prompt_tokens() - 1) / u64::from(BLOCK_TOKENS) * u64::from(BLOCK_TOKENS)
+        }
         _ => bridged.prompt_tokens() - 1,
     };
     assert!(blocks >= 4 && bridged.cached_tokens() == cached, "{family}: {}", bridged.verdict);
@@ -129,11 +131,13 @@ async fn generated_families_bridge_as_their_decoder_answers() {
 
 /// DeepSeek-V4.1: hyper-connection streams, an fp8 sliding window, fp4 pools and index keys (the
 /// pooled kind: whole blocks of all but the last token, no tail); vLLM runs the plugin's own
-/// class for it, as prefilld starts it (whole prompts per step).
+/// class for it, as prefilld starts it (whole prompts per step). The checkpoint is in DeepSeek's
+/// published format (its names, fp8 projections and fp4 experts with ue8m0 scales), one file set
+/// both engines load: the decoder's projections stay packed (MLX's mxfp8 and mxfp4).
 #[tokio::test]
 async fn deepseek_v41_windows_and_pools_bridge_as_the_decoder_answers() {
     let scratch = Scratch::new("families-v41");
-    let mut prefilld = bridges_as_the_decoder_answers("deepseek_v41", "", &scratch, None).await;
+    let mut prefilld = bridges_as_the_decoder_answers("deepseek_v41_flash", "", &scratch, None).await;
     prefilld.terminate();
     prefilld.wait(Duration::from_secs(120)).await;
 }
