@@ -91,7 +91,7 @@ fast() {
 
 engines() {
   streams=("decoded/engine/tests test_adapter.py prefilld/engine/tests test_plugin.py
-            prefilld/engine/tests test_reconstruct.py prefilld/engine/tests test_deepseek_v41.py")
+            prefilld/engine/tests test_reconstruct.py prefilld/engine/tests test_deepseek_v41*.py")
   tier 'binary(engines)' "$@"
 }
 

