@@ -1,7 +1,8 @@
 """Starting decoded and prefilld for a benchmark, and watching their processes.
 
 `Daemons` runs both release binaries on free loopback ports with a fresh store under a run
-folder, on a model pair `models/<model>-mlx` (decoder) + `models/<model>-hf` (prefill), and stops
+folder, on a model pair `models/<model>-mlx` (decoder) + `models/<model>-hf` (prefill) or one folder
+both load (`model_folder`), and stops
 them (with everything their engines started) on exit. `Sampler` records the peak resident set of
 each process role while a block of code runs.
 """
@@ -18,6 +19,13 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def model_folder(model: str, engine: str) -> Path:
+    """`models/<model>` where both engines load one folder (a checkpoint in its publisher's format),
+    else `models/<model>-<engine>` (engine: "mlx" for the decoder, "hf" for the prefill side)."""
+    published = ROOT / "models" / model
+    return published if published.is_dir() else ROOT / "models" / f"{model}-{engine}"
 BLOCK_TOKENS = 256
 
 
@@ -117,7 +125,7 @@ push_idle_timeout = "3600s"
 [engine]
 python = "{ROOT}/.venv/bin/python"
 adapter_dir = "{ROOT}/decoded/engine"
-model = "{ROOT}/models/{decoder_model or model + '-mlx'}"
+model = "{ROOT / "models" / decoder_model if decoder_model else model_folder(model, "mlx")}"
 socket = "{run}/engine.sock"
 start_timeout = "600s"
 {decoder}
@@ -150,7 +158,7 @@ format = "json"
 [engine]
 python = "{ROOT}/.venv/bin/python"
 plugin_dir = "{ROOT}/prefilld/engine"
-model = "{ROOT}/models/{model}-hf"
+model = "{model_folder(model, "hf")}"
 dtype = "{prefill_dtype}"
 max_model_len = {max_len}
 plugin_socket = "{run}/plugin.sock"

