@@ -7,9 +7,10 @@
 # tokens, and a question) through decoded's front door bridged, then forced
 # native, prints both answers, and ends with one JSON line of results.
 #
-#   scripts/demo.sh [--model smollm2|gemma3-270m|llama3|qwen3|…]   (default: the embedded
-#   SmolLM2; gemma3-270m: the real Gemma 3 270M, a base model without a chat template, asked
-#   through /v1/completions; other names are generated families, see scripts/make-tiny-model.py)
+#   scripts/demo.sh [--model smollm2|gemma3-270m|qwen2.5-coder-1.5b|llama3|qwen3|…]   (default:
+#   the embedded SmolLM2; gemma3-270m: the real Gemma 3 270M, a base model without a chat
+#   template, asked through /v1/completions; qwen2.5-coder-1.5b: the real Qwen2.5-Coder-1.5B-Instruct
+#   with its own chat template; other names are generated families, see scripts/make-tiny-model.py)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

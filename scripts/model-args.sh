@@ -4,7 +4,8 @@
 # `prefill_dtype` (what vLLM computes in), `block_tokens` (the store's block: 256, or the
 # smallest multiple of 256 that holds the model's sliding window, which a bridged block must) and
 # `chat` (whether the model has a chat template). `smollm2` (the default) is the test model
-# (scripts/prepare-model.py), `gemma3-270m` the real Gemma 3 270M (scripts/prepare-gguf-model.py);
+# (scripts/prepare-model.py), `gemma3-270m` and `qwen2.5-coder-1.5b` the real Gemma 3 270M and
+# Qwen2.5-Coder-1.5B-Instruct (scripts/prepare-gguf-model.py);
 # any other name is a family of scripts/make-tiny-model.py.
 model=smollm2
 args=()
@@ -19,7 +20,7 @@ case $model in
   smollm2)
     .venv/bin/python scripts/prepare-model.py
     decoder_model=models/smollm2-mlx prefill_model=models/smollm2-hf ;;
-  gemma3-270m)  # a real checkpoint from its GGUF (scripts/prepare-gguf-model.py)
+  gemma3-270m | qwen2.5-coder-1.5b)  # a real checkpoint from its GGUF (scripts/prepare-gguf-model.py)
     .venv/bin/python scripts/prepare-gguf-model.py --model "$model"
     decoder_model=models/$model-mlx prefill_model=models/$model-hf ;;
   *)

