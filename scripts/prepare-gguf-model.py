@@ -582,6 +582,7 @@ def check_prompts(mlx_folder: Path) -> tuple[list[list[int]], list[int]]:
 def mlx_run(mlx_folder: Path, prompts, greedy_prompt, greedy_tokens: int) -> dict:
     from mlx_lm import load
     from mlx_lm.generate import generate_step
+    from mlx_lm.models.cache import make_prompt_cache
 
     model, _ = load(str(mlx_folder))
     out = {}
@@ -590,7 +591,7 @@ def mlx_run(mlx_folder: Path, prompts, greedy_prompt, greedy_tokens: int) -> dic
         for p in prompts:
             x = mx.array(p)[None]
             start = time.monotonic()
-            logits = model(x, cache=model.make_cache())[0].astype(mx.float32)
+            logits = model(x, cache=make_prompt_cache(model))[0].astype(mx.float32)
             lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
             nxt = mx.array(p[1:])
             chosen = mx.take_along_axis(lp[:-1], nxt[:, None], axis=-1)[:, 0]
