@@ -715,7 +715,9 @@ def main() -> None:
     ensure(mlx_folder, stamp, lambda tmp: build_mlx(tmp, gguf, entry))
     ensure(hf_folder, stamp, lambda tmp: build_hf(tmp, mlx_folder))
     if args.check:
-        result = {"model": args.model, "gguf_sha256": entry["sha256"]}
+        # A BLAS preloaded for MLX's CPU dense matmuls (its bundled one runs ~2.5 GFLOP/s) changes
+        # their summation order, not what is compared: recorded with the numbers.
+        result = {"model": args.model, "gguf_sha256": entry["sha256"], "ld_preload": os.environ.get("LD_PRELOAD")}
         start = time.monotonic()
         result["tokenizer"] = check_tokenizer(mlx_folder, gguf, ARCHS[entry["arch"]])
         result["tokenizer"]["seconds"] = time.monotonic() - start
