@@ -16,6 +16,8 @@
 #                                 bench/gpu/kit.sh remote prefill-box native [args]
 #                                   (bench/gpu/prefill_box.py on bench/gpu/llama8b.py's model; results
 #                                   kept in var/gpu-8b/results across calls, copied to $OUT)
+#                                 bench/gpu/kit.sh remote v41 native|bridged   (with the V4.1 parts: DeepSeek-V4.1
+#                                   at full width, 4 layers; results in var/gpu-v41/results, copied to $OUT)
 # `start` passes PDB_* variables on to both daemons; DECODED_CONFIG and PREFILLD_CONFIG name other
 # configs, STORE_DIR another store (e.g. on /dev/shm); prefill-box's KV_BITS quantizes the
 # decoder's KV cache (engine.kv_bits: 8 or 4, the bytes a block carries halved or quartered); STREAM_CONNECTIONS prefilld's
@@ -192,6 +194,19 @@ mlx_cuda() {
   PYTHONUNBUFFERED=1 .venv/bin/python bench/gpu/mlx_cuda.py "$what" "${model[@]}" --out "${OUT:-var/gpu/out}" "${@:2}"
 }
 
+# Both daemons' configs for a prefill box on one GPU, derived from deploy/examples/: the decoder's
+# folder, vLLM's, the plugin's handoff, vLLM's share of the GPU; bf16 and 128K prompts.
+box_configs() {
+  local box=$1 decoder=$2 prefill=$3 handoff=$4 share=$5 kv=()
+  [ -z "${KV_BITS:-}" ] || kv=(-e "s|^# kv_bits = .*|kv_bits = $KV_BITS|")
+  sed -e "s|^model = .*|model = \"$decoder\"|" -e 's|^dtype = .*|dtype = "bfloat16"|' "${kv[@]}" \
+    -e 's|^budget_bytes = .*|budget_bytes = 48000000000|' deploy/examples/decoded.toml >"$box/decoded.toml"
+  sed -e "s|^model = .*|model = \"$prefill\"|" -e 's|^dtype = .*|dtype = "bfloat16"|' \
+    -e 's|^max_model_len = .*|max_model_len = 135168|' -e "s|\"--gpu-memory-utilization\", \"0.5\"|\"--gpu-memory-utilization\", \"$share\"|" \
+    -e "s|^handoff = .*|handoff = \"$handoff\"|" \
+    -e "s|^connections = .*|connections = ${STREAM_CONNECTIONS:-4}|" deploy/examples/prefilld-cuda.toml >"$box/prefilld.toml"
+}
+
 # The prefill box at real shape. `bridged` restarts both daemons on the 8B-shaped model (the
 # decoder 4-bit, or dense: the bf16 prefill folder, which mlx-lm loads as it is; the plugin's
 # handoff host, device or auto) with configs derived from deploy/examples/; `native` stops them, so
@@ -217,14 +232,7 @@ prefill_box() {
     case "${1:-}" in 4bit | dense) setting=$1; shift ;; esac
     case "${1:-}" in host | device | auto) handoff=$1; shift ;; esac
     [ "$setting" = 4bit ] || decoder=models/llama8b-hf
-    local kv=()
-    [ -z "${KV_BITS:-}" ] || kv=(-e "s|^# kv_bits = .*|kv_bits = $KV_BITS|")
-    sed -e "s|^model = .*|model = \"$decoder\"|" -e 's|^dtype = .*|dtype = "bfloat16"|' "${kv[@]}" \
-      -e 's|^budget_bytes = .*|budget_bytes = 48000000000|' deploy/examples/decoded.toml >"$box/decoded.toml"
-    sed -e 's|^model = .*|model = "models/llama8b-hf"|' -e 's|^dtype = .*|dtype = "bfloat16"|' \
-      -e 's|^max_model_len = .*|max_model_len = 135168|' -e 's|"--gpu-memory-utilization", "0.5"|"--gpu-memory-utilization", "0.7"|' \
-      -e "s|^handoff = .*|handoff = \"$handoff\"|" \
-      -e "s|^connections = .*|connections = ${STREAM_CONNECTIONS:-4}|" deploy/examples/prefilld-cuda.toml >"$box/prefilld.toml"
+    box_configs "$box" "$decoder" models/llama8b-hf "$handoff" 0.7
     setting=$setting${KV_BITS:+-kv$KV_BITS}-$handoff
     DECODED_CONFIG="$box/decoded.toml" PREFILLD_CONFIG="$box/prefilld.toml" start &&
       PYTHONPATH=bench PYTHONUNBUFFERED=1 timeout "$limit" \
@@ -238,6 +246,41 @@ prefill_box() {
   return $status
 }
 
+# DeepSeek-V4.1 at full width and 4 layers (bench/gpu/deepseek_v41_wide.py, one folder both engines
+# load), at LENGTHS (default 16K, 64K, 128K): `native` times vLLM's own CUDA class alone (eager, as
+# the capture route runs; no plugin); `bridged` runs the bridged box (vLLM's class with the capture,
+# the plugin's MLX reconstruction, decoded on MLX's CUDA backend) on prefill_box.py, then
+# bench/bridge.py's bridged vs native answers at ANSWER_LENGTHS (default 16K).
+v41() {
+  local phase=${1:?remote v41 native|bridged} model=models/deepseek-v41-wide box=var/gpu-v41 status=0
+  local lengths=${LENGTHS:-16384,65536,131072} limit=${V41_LIMIT:-480}
+  shift
+  mkdir -p "$box/results"
+  .venv/bin/python bench/gpu/deepseek_v41_wide.py
+  set +e
+  if [ "$phase" = native ]; then
+    stop
+    VLLM_PLUGINS= VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONPATH=bench PYTHONUNBUFFERED=1 timeout "$limit" \
+      .venv/bin/python bench/gpu/prefill_box.py native --model "$model" --lengths "$lengths" --eager \
+      --out "$box/results" "$@" 2>&1 | tee -a "$box/results/native.log"
+    status=${PIPESTATUS[0]}
+  else
+    box_configs "$box" "$model" "$model" auto 0.5
+    DECODED_CONFIG="$box/decoded.toml" PREFILLD_CONFIG="$box/prefilld.toml" start &&
+      PYTHONPATH=bench PYTHONUNBUFFERED=1 timeout "$limit" .venv/bin/python bench/gpu/prefill_box.py bridged \
+        --lengths "$lengths" --out "$box/results/bridged" "$@" 2>&1 | tee "$box/results/bridged.log" &&
+      OUT="$box/results/answers" e2e --lengths "${ANSWER_LENGTHS:-16384}" 2>&1 | tee "$box/results/answers.log"
+    status=${PIPESTATUS[0]}
+    cp "$run/prefilld.log" "$run/decoded.log" "$box/results/" 2>/dev/null
+  fi
+  set -e
+  # What comes back is at most 8 files: the results as one archive, and the tables beside it.
+  local out=${OUT:-var/gpu/out}
+  mkdir -p "$out" && tar -C "$box" -czf "$out/v41-results.tgz" results
+  find "$box/results" -name '*.json' ! -name prompts.json -exec cp {} "$out/" \; -exec cat {} \;
+  return $status
+}
+
 case "${1:-}" in
   prepare) prepare ;;
   remote)
@@ -248,7 +291,8 @@ case "${1:-}" in
       e2e) shift; e2e "$@" ;;
       mlx-cuda) shift; mlx_cuda "$@" ;;
       prefill-box) shift; prefill_box "$@" ;;
-      *) echo "usage: bench/gpu/kit.sh remote stage|unpack|start|e2e|stop|mlx-cuda|prefill-box" >&2; exit 2 ;;
+      v41) shift; v41 "$@" ;;
+      *) echo "usage: bench/gpu/kit.sh remote stage|unpack|start|e2e|stop|mlx-cuda|prefill-box|v41" >&2; exit 2 ;;
     esac ;;
   *) echo "usage: bench/gpu/kit.sh prepare | remote stage|unpack|start|e2e|stop|mlx-cuda" >&2; exit 2 ;;
 esac

@@ -14,7 +14,7 @@ Both on one GPU one after the other; ratio = native s / bridged s, the share of 
 throughput the bridged box keeps.
 
 Usage: PYTHONPATH=bench .venv/bin/python bench/gpu/prefill_box.py bridged --lengths 8192,32768,131072 --out DIR
-       PYTHONPATH=bench .venv/bin/python bench/gpu/prefill_box.py native --prompts DIR/prompts.json --out DIR
+       PYTHONPATH=bench .venv/bin/python bench/gpu/prefill_box.py native --prompts DIR/prompts.json | --lengths N,.. --out DIR
        PYTHONPATH=bench .venv/bin/python bench/gpu/prefill_box.py plot   (bench/results/gpu_e2e.json -> PNG)
 """
 
@@ -69,11 +69,22 @@ def bridged(args: argparse.Namespace) -> None:
         (args.out / "bridged.json").write_text(json.dumps(rows, indent=2))
 
 
+def corpus_ids(model: Path, lengths: str) -> dict[str, list[int]]:
+    """Per length, that many token ids of the corpus through the model's tokenizer (no chat template):
+    vLLM alone, before any bridged run has made prompts."""
+    from tokenizers import Tokenizer
+
+    targets = [int(n) for n in lengths.split(",")]
+    ids = Tokenizer.from_file(str(model / "tokenizer.json")).encode(corpus()).ids
+    ids *= math.ceil(max(targets) / len(ids))
+    return {str(n): ids[:n] for n in targets}
+
+
 def native(args: argparse.Namespace) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    ids = json.loads(args.prompts.read_text())
+    ids = json.loads(args.prompts.read_text()) if args.prompts else corpus_ids(args.model, args.lengths)
     longest = max(len(t) for t in ids.values())
     llm = LLM(model=str(args.model), dtype="bfloat16", max_model_len=longest + 16, enable_prefix_caching=False,
               gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.eager)
@@ -158,7 +169,9 @@ def main() -> None:
     b.add_argument("--front", default="http://127.0.0.1:8080")
     n = sub.add_parser("native")
     n.add_argument("--model", type=Path, default=Path("models/llama8b-hf"))
-    n.add_argument("--prompts", type=Path, required=True, help="a bridged run's prompts.json")
+    source = n.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompts", type=Path, help="a bridged run's prompts.json")
+    source.add_argument("--lengths", help="or token counts of the corpus, e.g. 16384,65536")
     n.add_argument("--repeats", type=int, default=3)
     n.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     n.add_argument("--eager", action="store_true", help="--enforce-eager, as the capture route runs")

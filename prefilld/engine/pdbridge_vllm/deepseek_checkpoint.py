@@ -103,7 +103,7 @@ def decode_fp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """[out, in/2] bytes of two e2m1 codes (even element low) with a scale per 32 inputs → [out, in] fp32."""
     codes = packed.view(torch.uint8).long()
     codes = torch.stack([codes & 0xF, codes >> 4], dim=-1).flatten(-2)
-    values = _FP4_VALUES[codes & 7] * torch.where(codes >= 8, -1.0, 1.0)
+    values = _FP4_VALUES.to(codes.device)[codes & 7] * torch.where(codes >= 8, -1.0, 1.0)
     return values * _scales(scale).repeat_interleave(BLOCK, -1)
 
 
@@ -112,7 +112,7 @@ def encode_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     rows, cols = weight.shape
     if cols % BLOCK:
         raise CheckpointError(f"an fp8 projection needs inputs in blocks of {BLOCK}, not {cols}")
-    padded = torch.zeros(-(-rows // BLOCK) * BLOCK, cols)
+    padded = torch.zeros(-(-rows // BLOCK) * BLOCK, cols, device=weight.device)
     padded[:rows] = weight.float()
     blocks = padded.reshape(-1, BLOCK, cols // BLOCK, BLOCK)
     exponent = torch.ceil(torch.log2(blocks.abs().amax((1, 3)).clamp_min(2.0**-100) / 448.0))
@@ -126,7 +126,7 @@ def encode_fp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     groups = weight.float().reshape(*weight.shape[:-1], -1, BLOCK)
     exponent = torch.ceil(torch.log2(groups.abs().amax(-1).clamp_min(2.0**-100) / 6.0))
     scaled = (groups / torch.exp2(exponent)[..., None]).flatten(-2)
-    magnitude = (scaled.abs()[..., None] - _FP4_VALUES).abs().argmin(-1)
+    magnitude = (scaled.abs()[..., None] - _FP4_VALUES.to(scaled.device)).abs().argmin(-1)
     codes = (magnitude + torch.where(scaled < 0, 8, 0)).to(torch.uint8)
     packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
     return packed.view(torch.int8), (exponent + 127).to(torch.uint8).view(torch.float8_e8m0fnu)

@@ -1,0 +1,148 @@
+#!/usr/bin/env python3
+"""DeepSeek-V4.1 at full width and reduced depth, in the published checkpoint format, drawn on the GPU
+by torch layer by layer: one folder that vLLM's own CUDA class and the decoder's mlx-lm both load.
+
+Width: mlx-lm's ``deepseek_v41`` defaults (hidden 5120; 64 query heads of 512, 64 of them rotary; q rank
+1280; 8 output groups of rank 1024; 384 routed experts of 2304 with 6 per token and one shared; an
+indexer of 32 heads of 128 keeping 512; a window of 128; 4 hyper-connection streams). Depth: 4 layers
+by default, every layer kind vLLM's class has: a window-only layer (ratio 0), a ratio-2 layer that
+makes the pooled KV and index keys (a source), a ratio-2 layer that reads them, and a full-length
+(ratio 1) source. Format (`pdbridge_vllm.deepseek_checkpoint`): DeepSeek's names, fp8 e4m3
+projections and fp4 experts with ue8m0 scales, the rest bf16 (mixers, sinks, router bias and
+compressors fp32). The values follow scripts/make-tiny-model.py's distributions (projections
+N(0, 1/fan_in), the head 4x that), from one seed; the tokenizer is the test model's (SmolLM2's
+49,152 ids). 4 layers: ~29 GB, nearly all of it the fp4 experts.
+
+Usage: .venv/bin/python bench/gpu/deepseek_v41_wide.py [--out models] [--layers 4] [--tokenizer models/smollm2-mlx]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from pdbridge_vllm import deepseek_checkpoint as ckpt
+
+ROOT = Path(__file__).resolve().parents[2]
+SEED = 20261205
+DEVICE = "cuda"
+NAME = "deepseek-v41-wide"
+# mlx-lm's class defaults where they differ from the tiny family's; the rest as mlx-lm defaults them.
+WIDTH = {
+    "hidden_size": 5120, "num_attention_heads": 64, "head_dim": 512, "q_lora_rank": 1280, "qk_rope_head_dim": 64,
+    "o_groups": 8, "o_lora_rank": 1024, "moe_intermediate_size": 2304, "n_routed_experts": 384,
+    "num_experts_per_tok": 6, "n_shared_experts": 1, "sliding_window": 128, "index_n_heads": 32,
+    "index_head_dim": 128, "index_topk": 512, "hc_mult": 4, "rms_norm_eps": 1e-06,
+    "max_position_embeddings": 135168,
+}
+KINDS = ([0, 2, 2, 1], [1, 3], [1, 3])  # compress ratios, KV sources, index sources (4 layers)
+
+
+def tiny_generator():
+    """scripts/make-tiny-model.py as a module: its tensor list and distributions are this model's too."""
+    spec = importlib.util.spec_from_file_location("make_tiny_model", ROOT / "scripts/make-tiny-model.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(ROOT / "scripts"))
+    spec.loader.exec_module(module)
+    return module
+
+
+def config_for(tiny, layers: int, tokenizer: Path) -> dict:
+    ratios, kv, index = KINDS
+    if layers != len(ratios):
+        raise SystemExit(f"deepseek_v41_wide: {len(ratios)} layers (one of each kind) are defined, not {layers}")
+    vocab = len(json.loads((tokenizer / "tokenizer.json").read_text())["model"]["vocab"])
+    generation = json.loads((tokenizer / "generation_config.json").read_text())
+    config = {k: v for k, v in tiny.DEEPSEEK_V41.items() if k != "weights"} | WIDTH
+    return config | {"num_hidden_layers": layers, "compress_ratios": ratios, "kv_source_layer_ids": kv,
+                     "index_source_layer_ids": index, "vocab_size": vocab, **generation}
+
+
+def draw(kind: str, shape: tuple[int, ...], gen: torch.Generator, lm_head_scale: float) -> torch.Tensor:
+    """make-tiny-model's `random_weights` distributions, on the GPU."""
+    z = torch.randn(shape, generator=gen, device=DEVICE)
+    if kind in ("linear", "router", "lm_head"):
+        return z / shape[-1] ** 0.5 * (lm_head_scale if kind == "lm_head" else 1.0)
+    offset, scale = {"embed": (0.0, 1.0), "norm": (1.0, 0.1), "bias": (0.0, 0.1), "sink": (0.0, 1.0)}[kind]
+    return offset + scale * z
+
+
+def published(name: str, w: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One tensor as the published checkpoint stores it (DeepSeek's name; fp8, fp32 or bf16)."""
+    if any(p in name for p in ckpt.FP8):
+        codes, scale = ckpt.encode_fp8(w)
+        return {name: codes, f"{name.removesuffix('.weight')}.scale": scale}
+    return {name: w if any(p in name for p in ckpt.FP32) else w.to(torch.bfloat16)}
+
+
+def layer_tensors(tiny, config: dict, spec: dict, i: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, (kind, shape) in tiny.LAYERS["deepseek_v41"](config, spec, i).items():
+        if ".switch_mlp." in name:  # experts one by one: never the whole stack in fp32
+            proj = {v: k for k, v in ckpt.EXPERT_PROJ.items()}[name.split(".")[-2]]
+            for e in range(shape[0]):
+                codes, scale = ckpt.encode_fp4(draw(kind, shape[1:], gen, 0))
+                base = f"layers.{i}.ffn.experts.{e}.{proj}"
+                out |= {f"{base}.weight": codes.cpu(), f"{base}.scale": scale.cpu()}
+            continue
+        w = draw(kind, shape, gen, 0)
+        if name.endswith(".o_a_proj.weight"):
+            w = w.reshape(-1, shape[-1])
+        out |= {k: v.cpu() for k, v in published(ckpt.deepseek_name(f"model.layers.{i}.{name}"), w).items()}
+    return out
+
+
+def write(folder: Path, layers: int, tokenizer: Path) -> None:
+    tiny = tiny_generator()
+    config = config_for(tiny, layers, tokenizer)
+    spec = tiny.DEFAULT_WEIGHTS | {"bits": 0, "lm_head_scale": 4.0}
+    for name in tiny.TOKENIZER_FILES:
+        shutil.copy2(tokenizer / name, folder / name)
+    gen = torch.Generator(device=DEVICE).manual_seed(SEED)
+    h, vocab = config["hidden_size"], config["vocab_size"]
+    shards = [lambda: {"embed.weight": draw("embed", (vocab, h), gen, 0).to(torch.bfloat16).cpu()}]
+    shards += [lambda i=i: layer_tensors(tiny, config, spec, i, gen) for i in range(layers)]
+    shards.append(lambda: {"norm.weight": draw("norm", (h,), gen, 0).to(torch.bfloat16).cpu(),
+                           "head.weight": draw("lm_head", (vocab, h), gen, 4.0).to(torch.bfloat16).cpu()})
+    index = {}
+    for k, shard in enumerate(shards):  # one shard in host memory at a time
+        tensors = shard()
+        file = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(tensors, str(folder / file), metadata={"format": "pt"})
+        index |= {name: file for name in tensors}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}, indent=1))
+    keep = ("architectures", "model_type", "tie_word_embeddings", "bos_token_id", "eos_token_id")
+    text = {k: v for k, v in config.items() if k not in keep} | {"model_type": "deepseek_v41_text"}
+    top = {k: config[k] for k in keep if k in config} | {"torch_dtype": "bfloat16"}
+    (folder / "config.json").write_text(json.dumps(top | {"text_config": text,
+                                                          "quantization_config": ckpt.QUANTIZATION_CONFIG}, indent=1))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, default=ROOT / "models")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--tokenizer", type=Path, default=ROOT / "models/smollm2-mlx")
+    args = p.parse_args()
+    folder = args.out / NAME
+    if (folder / "config.json").exists():
+        print(f"{folder}: present")
+        return
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    started = time.monotonic()
+    write(folder, args.layers, args.tokenizer)
+    size = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+    print(f"{folder}: {size / 1e9:.1f} GB in {time.monotonic() - started:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
