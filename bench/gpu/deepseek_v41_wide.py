@@ -19,6 +19,7 @@ Usage: .venv/bin/python bench/gpu/deepseek_v41_wide.py [--out models] [--layers 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import shutil
@@ -27,6 +28,7 @@ import time
 from pathlib import Path
 
 import torch
+from mlx_lm.models.deepseek_v41 import ModelArgs
 from safetensors.torch import save_file
 
 from pdbridge_vllm import deepseek_checkpoint as ckpt
@@ -43,6 +45,10 @@ WIDTH = {
     "index_head_dim": 128, "index_topk": 512, "hc_mult": 4, "rms_norm_eps": 1e-06,
     "max_position_embeddings": 135168,
 }
+# RoPE without YaRN scaling: both engines then rotate every layer plainly (vLLM's window layers
+# always do; with a default rope_type its pooled layers do too, at compress_rope_theta, as mlx-lm's
+# YaRN at factor 1 does).
+ROPE = {"rope_type": "default", "rope_theta": 10000.0}
 KINDS = ([0, 2, 2, 1], [1, 3], [1, 3])  # compress ratios, KV sources, index sources (4 layers)
 
 
@@ -61,9 +67,12 @@ def config_for(tiny, layers: int, tokenizer: Path) -> dict:
         raise SystemExit(f"deepseek_v41_wide: {len(ratios)} layers (one of each kind) are defined, not {layers}")
     vocab = len(json.loads((tokenizer / "tokenizer.json").read_text())["model"]["vocab"])
     generation = json.loads((tokenizer / "generation_config.json").read_text())
-    config = {k: v for k, v in tiny.DEEPSEEK_V41.items() if k != "weights"} | WIDTH
+    # Every key mlx-lm's class has, written out: vLLM's config class has no defaults of its own.
+    defaults = {f.name: list(f.default) if isinstance(f.default, tuple) else f.default
+                for f in dataclasses.fields(ModelArgs) if f.default is not dataclasses.MISSING}
+    config = defaults | {k: v for k, v in tiny.DEEPSEEK_V41.items() if k != "weights"} | WIDTH
     return config | {"num_hidden_layers": layers, "compress_ratios": ratios, "kv_source_layer_ids": kv,
-                     "index_source_layer_ids": index, "vocab_size": vocab, **generation}
+                     "index_source_layer_ids": index, "vocab_size": vocab, "rope_scaling": ROPE, **generation}
 
 
 def draw(kind: str, shape: tuple[int, ...], gen: torch.Generator, lm_head_scale: float) -> torch.Tensor:

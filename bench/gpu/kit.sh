@@ -3,7 +3,8 @@
 # user starts them (certificates from `pdbridge certs`, mutual TLS, deploy/examples/ configs).
 #
 #   bench/gpu/kit.sh prepare          here (x86-64 Linux): .gpu-carry/ parts of <= 60 MB (git-ignored);
-#                                     V41=1 adds v41-* parts, DeepSeek-V4.1's kernels (bench/gpu/deepseek-v41-deps.txt)
+#                                     V41=1 adds v41-* parts, DeepSeek-V4.1's kernels (bench/gpu/deepseek-v41-deps.txt),
+#                                     and v41t-* parts, the torch they need (bench/gpu/deepseek-v41-torch.txt)
 #   then on the GPU machine, one call per part, back to back (it stays warm ~30 s between calls),
 #   each carrying that one part:  bench/gpu/kit.sh remote stage
 #   and then, in later calls:     bench/gpu/kit.sh remote unpack     (once per machine)
@@ -75,6 +76,10 @@ prepare() {
     "$py" -m pip download -q --no-deps $(platforms) -d "$work/d/wheels" -r bench/gpu/deepseek-v41-deps.txt
     unzip -q "$work"/v/wheels/vllm-$VLLM-*.whl 'vllm/third_party/deep_gemm/*' -d "$work/d/site"
     (cd "$work/d" && tar cf - wheels site) | split -b "$PART_BYTES" -d - .gpu-carry/v41-
+    mkdir -p "$work/t/wheels"
+    # shellcheck disable=SC2046
+    "$py" -m pip download -q --no-deps $(platforms) -d "$work/t/wheels" -r bench/gpu/deepseek-v41-torch.txt
+    (cd "$work/t" && tar cf - wheels) | split -b "$PART_BYTES" -d - .gpu-carry/v41t-
   fi
   zip -q -d "$work"/v/wheels/vllm-$VLLM-*.whl 'vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so' 'vllm/vllm-rs' \
     'vllm/third_party/deep_gemm/*' 'vllm/third_party/fmha_sm100/*'
@@ -111,6 +116,7 @@ unpack() {
     if compgen -G "$kit/parts/v32-*" >/dev/null; then cat "$kit"/parts/v32-* | tar x -C "$kit/tree"; fi
     cat "$kit"/parts/pdb-* | xz -d | tar x -C "$kit/tree"
     if compgen -G "$kit/parts/v41-*" >/dev/null; then cat "$kit"/parts/v41-* | tar x -C "$kit/tree"; fi
+    if compgen -G "$kit/parts/v41t-*" >/dev/null; then cat "$kit"/parts/v41t-* | tar x -C "$kit/tree"; fi
     python3 -m pip install -q --no-index --no-deps --no-compile --target "$kit/site" "$kit"/tree/wheels/*.whl
     cp -r "$kit"/tree/cuda/. "$kit/site/"
     [ ! -d "$kit/tree/site" ] || cp -r "$kit"/tree/site/. "$kit/site/"
@@ -118,10 +124,12 @@ unpack() {
   mkdir -p target/release models .venv/bin .venv/lib/python3.12
   cp "$kit"/tree/bin/* target/release/
   py=$(command -v python3)
-  libs=$("$py" -c 'import nvidia, os; print(":".join(os.path.join(p, d, "lib") for p in nvidia.__path__ for d in sorted(os.listdir(p)) if os.path.isdir(os.path.join(p, d, "lib"))))')
+  # The kit's NVIDIA libraries (V4.1's NCCL) ahead of the image's; CuTe DSL's package as its .pth
+  # would add it (--target installs run no .pth).
+  libs=$(PYTHONPATH="$kit/site" "$py" -c 'import nvidia, os; print(":".join(os.path.join(p, d, "lib") for p in nvidia.__path__ for d in sorted(os.listdir(p)) if os.path.isdir(os.path.join(p, d, "lib"))))')
   cat >.venv/bin/python <<EOF
 #!/bin/sh
-export PYTHONPATH="$kit/site\${PYTHONPATH:+:\$PYTHONPATH}" LD_LIBRARY_PATH="$libs\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}"
+export PYTHONPATH="$kit/site:$kit/site/nvidia_cutlass_dsl/dsl_packages\${PYTHONPATH:+:\$PYTHONPATH}" LD_LIBRARY_PATH="$libs\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}"
 exec "$py" "\$@"
 EOF
   chmod +x .venv/bin/python
