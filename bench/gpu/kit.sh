@@ -269,11 +269,14 @@ v41() {
   if [ "$phase" = native ]; then
     stop
     VLLM_PLUGINS= VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONPATH=bench PYTHONUNBUFFERED=1 timeout "$limit" \
-      .venv/bin/python bench/gpu/prefill_box.py native --model "$model" --lengths "$lengths" --eager \
+      .venv/bin/python bench/gpu/prefill_box.py native --model "$model" --lengths "$lengths" --eager --tokenizer-mode hf \
       --out "$box/results" "$@" 2>&1 | tee -a "$box/results/native.log"
     status=${PIPESTATUS[0]}
   else
     box_configs "$box" "$model" "$model" auto 0.5
+    # The test model's tokenizer is SmolLM2's, not DeepSeek's: vLLM's V4.1 prompt encoder left out
+    # (prefilld sends token ids).
+    sed -i 's|^extra_args = \[|extra_args = ["--tokenizer-mode", "hf", |' "$box/prefilld.toml"
     DECODED_CONFIG="$box/decoded.toml" PREFILLD_CONFIG="$box/prefilld.toml" start &&
       PYTHONPATH=bench PYTHONUNBUFFERED=1 timeout "$limit" .venv/bin/python bench/gpu/prefill_box.py bridged \
         --lengths "$lengths" --out "$box/results/bridged" "$@" 2>&1 | tee "$box/results/bridged.log" &&

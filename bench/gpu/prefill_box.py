@@ -87,7 +87,8 @@ def native(args: argparse.Namespace) -> None:
     ids = json.loads(args.prompts.read_text()) if args.prompts else corpus_ids(args.model, args.lengths)
     longest = max(len(t) for t in ids.values())
     llm = LLM(model=str(args.model), dtype="bfloat16", max_model_len=longest + 16, enable_prefix_caching=False,
-              gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.eager)
+              gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.eager,
+              tokenizer_mode=args.tokenizer_mode)
     once = SamplingParams(max_tokens=1, temperature=0, detokenize=False)  # ids past the tokenizer's: no text
 
     def prefill(tokens: list[int]) -> float:
@@ -175,6 +176,7 @@ def main() -> None:
     n.add_argument("--repeats", type=int, default=3)
     n.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     n.add_argument("--eager", action="store_true", help="--enforce-eager, as the capture route runs")
+    n.add_argument("--tokenizer-mode", default="auto", help="hf: a model's own prompt encoder left out (ids only)")
     for s in (b, n):
         s.add_argument("--out", type=Path, required=True)
     g = sub.add_parser("plot", help="the results file's prefill_box rows as a PNG")
