@@ -280,7 +280,8 @@ v41() {
     DECODED_CONFIG="$box/decoded.toml" PREFILLD_CONFIG="$box/prefilld.toml" start &&
       PYTHONPATH=bench PYTHONUNBUFFERED=1 timeout "$limit" .venv/bin/python bench/gpu/prefill_box.py bridged \
         --lengths "$lengths" --out "$box/results/bridged" "$@" 2>&1 | tee "$box/results/bridged.log" &&
-      OUT="$box/results/answers" e2e --lengths "${ANSWER_LENGTHS:-16384}" 2>&1 | tee "$box/results/answers.log"
+      PYTHONUNBUFFERED=1 timeout "${ANSWER_LIMIT:-180}" .venv/bin/python bench/bridge.py --decoded-log "$run/decoded.log" \
+        --no-midblock --lengths "${ANSWER_LENGTHS:-16384}" --out "$box/results/answers" 2>&1 | tee "$box/results/answers.log"
     status=${PIPESTATUS[0]}
     cp "$run/prefilld.log" "$run/decoded.log" "$box/results/" 2>/dev/null
   fi
