@@ -72,7 +72,9 @@ def config_for(tiny, layers: int, tokenizer: Path) -> dict:
                 for f in dataclasses.fields(ModelArgs) if f.default is not dataclasses.MISSING}
     config = defaults | {k: v for k, v in tiny.DEEPSEEK_V41.items() if k != "weights"} | WIDTH
     return config | {"num_hidden_layers": layers, "compress_ratios": ratios, "kv_source_layer_ids": kv,
-                     "index_source_layer_ids": index, "vocab_size": vocab, "rope_scaling": ROPE, **generation}
+                     "index_source_layer_ids": index, "vocab_size": vocab, "rope_scaling": ROPE,
+                     # Read by vLLM's V4 base classes, fixed in mlx-lm's.
+                     "hidden_act": "silu", "num_nextn_predict_layers": 0, **generation}
 
 
 def draw(kind: str, shape: tuple[int, ...], gen: torch.Generator, lm_head_scale: float) -> torch.Tensor:
