@@ -2,18 +2,18 @@
 """DeepSeek-V4.1 at full width and reduced depth, in the published checkpoint format, drawn on the GPU
 by torch layer by layer: one folder that vLLM's own CUDA class and the decoder's mlx-lm both load.
 
-Width: mlx-lm's ``deepseek_v41`` defaults (hidden 5120; 64 query heads of 512, 64 of them rotary; q rank
+Width: mlx-lm's ``deepseek_v41`` defaults (hidden 5120; 64 query heads of 512, the last 64 dims rotary; q rank
 1280; 8 output groups of rank 1024; 384 routed experts of 2304 with 6 per token and one shared; an
-indexer of 32 heads of 128 keeping 512; a window of 128; 4 hyper-connection streams). Depth: 4 layers
-by default, every layer kind vLLM's class has: a window-only layer (ratio 0), a ratio-2 layer that
+indexer of 32 heads of 128 keeping 512; a window of 128; 4 hyper-connection streams). Depth: 4 layers,
+one of each kind vLLM's class has: a window-only layer (ratio 0), a ratio-2 layer that
 makes the pooled KV and index keys (a source), a ratio-2 layer that reads them, and a full-length
 (ratio 1) source. Format (`pdbridge_vllm.deepseek_checkpoint`): DeepSeek's names, fp8 e4m3
 projections and fp4 experts with ue8m0 scales, the rest bf16 (mixers, sinks, router bias and
 compressors fp32). The values follow scripts/make-tiny-model.py's distributions (projections
 N(0, 1/fan_in), the head 4x that), from one seed; the tokenizer is the test model's (SmolLM2's
-49,152 ids). 4 layers: ~29 GB, nearly all of it the fp4 experts.
+49,152 ids). 30.6 GB, nearly all of it the fp4 experts.
 
-Usage: .venv/bin/python bench/gpu/deepseek_v41_wide.py [--out models] [--layers 4] [--tokenizer models/smollm2-mlx]
+Usage: .venv/bin/python bench/gpu/deepseek_v41_wide.py [--out models] [--tokenizer models/smollm2-mlx]
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ WIDTH = {
 # always do; with a default rope_type its pooled layers do too, at compress_rope_theta, as mlx-lm's
 # YaRN at factor 1 does).
 ROPE = {"rope_type": "default", "rope_theta": 10000.0}
-KINDS = ([0, 2, 2, 1], [1, 3], [1, 3])  # compress ratios, KV sources, index sources (4 layers)
+KINDS = ([0, 2, 2, 1], [1, 3], [1, 3])  # compress ratios, KV sources, index sources: one layer each
 
 
 def tiny_generator():
@@ -61,17 +61,15 @@ def tiny_generator():
     return module
 
 
-def config_for(tiny, layers: int, tokenizer: Path) -> dict:
+def config_for(tiny, tokenizer: Path) -> dict:
     ratios, kv, index = KINDS
-    if layers != len(ratios):
-        raise SystemExit(f"deepseek_v41_wide: {len(ratios)} layers (one of each kind) are defined, not {layers}")
     vocab = len(json.loads((tokenizer / "tokenizer.json").read_text())["model"]["vocab"])
     generation = json.loads((tokenizer / "generation_config.json").read_text())
     # Every key mlx-lm's class has, written out: vLLM's config class has no defaults of its own.
     defaults = {f.name: list(f.default) if isinstance(f.default, tuple) else f.default
                 for f in dataclasses.fields(ModelArgs) if f.default is not dataclasses.MISSING}
     config = defaults | {k: v for k, v in tiny.DEEPSEEK_V41.items() if k != "weights"} | WIDTH
-    return config | {"num_hidden_layers": layers, "compress_ratios": ratios, "kv_source_layer_ids": kv,
+    return config | {"num_hidden_layers": len(ratios), "compress_ratios": ratios, "kv_source_layer_ids": kv,
                      "index_source_layer_ids": index, "vocab_size": vocab, "rope_scaling": ROPE,
                      # Read by vLLM's V4 base classes, fixed in mlx-lm's.
                      "hidden_act": "silu", "num_nextn_predict_layers": 0, **generation}
@@ -111,16 +109,16 @@ def layer_tensors(tiny, config: dict, spec: dict, i: int, gen: torch.Generator) 
     return out
 
 
-def write(folder: Path, layers: int, tokenizer: Path) -> None:
+def write(folder: Path, tokenizer: Path) -> None:
     tiny = tiny_generator()
-    config = config_for(tiny, layers, tokenizer)
+    config = config_for(tiny, tokenizer)
     spec = tiny.DEFAULT_WEIGHTS | {"bits": 0, "lm_head_scale": 4.0}
     for name in tiny.TOKENIZER_FILES:
         shutil.copy2(tokenizer / name, folder / name)
     gen = torch.Generator(device=DEVICE).manual_seed(SEED)
     h, vocab = config["hidden_size"], config["vocab_size"]
     shards = [lambda: {"embed.weight": draw("embed", (vocab, h), gen, 0).to(torch.bfloat16).cpu()}]
-    shards += [lambda i=i: layer_tensors(tiny, config, spec, i, gen) for i in range(layers)]
+    shards += [lambda i=i: layer_tensors(tiny, config, spec, i, gen) for i in range(config["num_hidden_layers"])]
     shards.append(lambda: {"norm.weight": draw("norm", (h,), gen, 0).to(torch.bfloat16).cpu(),
                            "head.weight": draw("lm_head", (vocab, h), gen, 4.0).to(torch.bfloat16).cpu()})
     index = {}
@@ -140,7 +138,6 @@ def write(folder: Path, layers: int, tokenizer: Path) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=ROOT / "models")
-    p.add_argument("--layers", type=int, default=4)
     p.add_argument("--tokenizer", type=Path, default=ROOT / "models/smollm2-mlx")
     args = p.parse_args()
     folder = args.out / NAME
@@ -150,7 +147,7 @@ def main() -> None:
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
     started = time.monotonic()
-    write(folder, args.layers, args.tokenizer)
+    write(folder, args.tokenizer)
     size = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
     print(f"{folder}: {size / 1e9:.1f} GB in {time.monotonic() - started:.0f} s")
 

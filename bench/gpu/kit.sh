@@ -215,6 +215,16 @@ box_configs() {
     -e "s|^connections = .*|connections = ${STREAM_CONNECTIONS:-4}|" deploy/examples/prefilld-cuda.toml >"$box/prefilld.toml"
 }
 
+# prefill_box.py's native phase under `limit` seconds, its tables and log in `results`: vLLM alone
+# (VLLM_PLUGINS empty: without the plugin's model classes).
+vllm_alone() {
+  local limit=$1 results=$2
+  shift 2
+  VLLM_PLUGINS= VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONPATH=bench PYTHONUNBUFFERED=1 timeout "$limit" \
+    .venv/bin/python bench/gpu/prefill_box.py native --out "$results" "$@" 2>&1 | tee -a "$results/native.log"
+  return "${PIPESTATUS[0]}"
+}
+
 # The prefill box at real shape. `bridged` restarts both daemons on the 8B-shaped model (the
 # decoder 4-bit, or dense: the bf16 prefill folder, which mlx-lm loads as it is; the plugin's
 # handoff host, device or auto) with configs derived from deploy/examples/; `native` stops them, so
@@ -230,12 +240,9 @@ prefill_box() {
   set +e
   if [ "$phase" = native ]; then
     stop
-    # VLLM_PLUGINS empty: vLLM alone, without the plugin's model classes.
     prompts=$(ls "$box"/results/*/prompts.json | head -1)
-    VLLM_PLUGINS= VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONPATH=bench PYTHONUNBUFFERED=1 timeout "$limit" \
-      .venv/bin/python bench/gpu/prefill_box.py native --prompts "$prompts" --out "$box/results" "$@" 2>&1 |
-      tee -a "$box/results/native.log"
-    status=${PIPESTATUS[0]}
+    vllm_alone "$limit" "$box/results" --prompts "$prompts" "$@"
+    status=$?
   else
     case "${1:-}" in 4bit | dense) setting=$1; shift ;; esac
     case "${1:-}" in host | device | auto) handoff=$1; shift ;; esac
@@ -268,10 +275,8 @@ v41() {
   set +e
   if [ "$phase" = native ]; then
     stop
-    VLLM_PLUGINS= VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONPATH=bench PYTHONUNBUFFERED=1 timeout "$limit" \
-      .venv/bin/python bench/gpu/prefill_box.py native --model "$model" --lengths "$lengths" --eager --tokenizer-mode hf \
-      --out "$box/results" "$@" 2>&1 | tee -a "$box/results/native.log"
-    status=${PIPESTATUS[0]}
+    vllm_alone "$limit" "$box/results" --model "$model" --lengths "$lengths" --eager --tokenizer-mode hf "$@"
+    status=$?
   else
     box_configs "$box" "$model" "$model" auto 0.5
     # The test model's tokenizer is SmolLM2's, not DeepSeek's: vLLM's V4.1 prompt encoder left out

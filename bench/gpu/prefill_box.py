@@ -14,7 +14,8 @@ Both on one GPU one after the other; ratio = native s / bridged s, the share of 
 throughput the bridged box keeps.
 
 Usage: PYTHONPATH=bench .venv/bin/python bench/gpu/prefill_box.py bridged --lengths 8192,32768,131072 --out DIR
-       PYTHONPATH=bench .venv/bin/python bench/gpu/prefill_box.py native --prompts DIR/prompts.json | --lengths N,.. --out DIR
+       PYTHONPATH=bench .venv/bin/python bench/gpu/prefill_box.py native --prompts DIR/prompts.json|--lengths N,.. \
+                                                                 --out DIR
        PYTHONPATH=bench .venv/bin/python bench/gpu/prefill_box.py plot   (bench/results/gpu_e2e.json -> PNG)
 """
 
