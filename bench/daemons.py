@@ -169,6 +169,7 @@ start_timeout = "900s"
 VLLM_CPU_KVCACHE_SPACE = "{kv_space_gb}"
 VLLM_CPU_NUM_OF_RESERVED_CPU = "1"
 {bind}{pushes}[stream]
+deadline_base = "600s"
 deadline_per_1k_tokens = "60s"
 {stream}
 """
