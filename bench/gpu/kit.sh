@@ -17,7 +17,7 @@
 #                                 bench/gpu/kit.sh remote prefill-box native [args]
 #                                   (bench/gpu/prefill_box.py on bench/gpu/llama8b.py's model; results
 #                                   kept in var/gpu-8b/results across calls, copied to $OUT)
-#                                 bench/gpu/kit.sh remote v41 native|bridged   (with the V4.1 parts: DeepSeek-V4.1
+#                                 bench/gpu/kit.sh remote v41 native|start|bridged   (with the V4.1 parts: DeepSeek-V4.1
 #                                   at full width, 4 layers; results in var/gpu-v41/results, copied to $OUT)
 # `start` passes PDB_* variables on to both daemons; DECODED_CONFIG and PREFILLD_CONFIG name other
 # configs, STORE_DIR another store (e.g. on /dev/shm); prefill-box's KV_BITS quantizes the
@@ -265,9 +265,19 @@ prefill_box() {
 # load), at LENGTHS (default 16K, 64K, 128K): `native` times vLLM's own CUDA class alone (eager, as
 # the capture route runs; no plugin); `bridged` runs the bridged box (vLLM's class with the capture,
 # the plugin's MLX reconstruction, decoded on MLX's CUDA backend) on prefill_box.py, then
-# bench/bridge.py's bridged vs native answers at ANSWER_LENGTHS (default 16K).
+# bench/bridge.py's bridged vs native answers at ANSWER_LENGTHS (default 16K); `start` only starts
+# the bridged box's daemons (left running for a later `bridged` call: a call has 600 s).
+v41_start() {
+  local box=$1 model=$2
+  box_configs "$box" "$model" "$model" auto 0.5
+  # The test model's tokenizer is SmolLM2's, not DeepSeek's: vLLM's V4.1 prompt encoder left out
+  # (prefilld sends token ids).
+  sed -i 's|^extra_args = \[|extra_args = ["--tokenizer-mode", "hf", |' "$box/prefilld.toml"
+  DECODED_CONFIG="$box/decoded.toml" PREFILLD_CONFIG="$box/prefilld.toml" start
+}
+
 v41() {
-  local phase=${1:?remote v41 native|bridged} model=models/deepseek-v41-wide box=var/gpu-v41 status=0
+  local phase=${1:?remote v41 native|start|bridged} model=models/deepseek-v41-wide box=var/gpu-v41 status=0
   local lengths=${LENGTHS:-16384,65536,131072} limit=${V41_LIMIT:-480}
   shift
   mkdir -p "$box/results"
@@ -277,12 +287,14 @@ v41() {
     stop
     vllm_alone "$limit" "$box/results" --model "$model" --lengths "$lengths" --eager --tokenizer-mode hf "$@"
     status=$?
+  elif [ "$phase" = start ]; then
+    v41_start "$box" "$model"
+    status=$?
+    cp "$run/prefilld.log" "$run/decoded.log" "$box/results/" 2>/dev/null
   else
-    box_configs "$box" "$model" "$model" auto 0.5
-    # The test model's tokenizer is SmolLM2's, not DeepSeek's: vLLM's V4.1 prompt encoder left out
-    # (prefilld sends token ids).
-    sed -i 's|^extra_args = \[|extra_args = ["--tokenizer-mode", "hf", |' "$box/prefilld.toml"
-    DECODED_CONFIG="$box/decoded.toml" PREFILLD_CONFIG="$box/prefilld.toml" start &&
+    # Daemons a `v41 start` call left ready are used as they are: the start alone takes minutes.
+    { curl -sf -o /dev/null http://127.0.0.1:9470/readyz && curl -sf -o /dev/null http://127.0.0.1:9471/readyz; } ||
+      v41_start "$box" "$model" &&
       PYTHONPATH=bench PYTHONUNBUFFERED=1 timeout "$limit" .venv/bin/python bench/gpu/prefill_box.py bridged \
         --lengths "$lengths" --out "$box/results/bridged" "$@" 2>&1 | tee "$box/results/bridged.log" &&
       PYTHONUNBUFFERED=1 timeout "${ANSWER_LIMIT:-180}" .venv/bin/python bench/bridge.py --decoded-log "$run/decoded.log" \
