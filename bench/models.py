@@ -447,13 +447,21 @@ def real_note(rows: list[dict]) -> str:
         against = (f"; first token against the fp32 decoder's: native {vs['native_first_token_agreement']:.2f}, "
                    f"bridged {vs['bridged_first_token_agreement']:.2f} (KL {vs['native_kl_mean']:.1e} / "
                    f"{vs['bridged_kl_mean']:.1e})" if vs else "")
-        out += (f"\n{r['family']} ({r['cache_dtype']}): {r['prompts']} prompts of {min(p['prompt_tokens'] for p in per):,}-"
-                f"{max(p['prompt_tokens'] for p in per):,} tokens ({', '.join(r['sources'])}; "
+        shortest, longest = min(p["prompt_tokens"] for p in per), max(p["prompt_tokens"] for p in per)
+        lengths = f"{shortest:,}" if shortest == longest else f"{shortest:,}-{longest:,}"
+        blas = ""
+        if r.get("ld_preload") and r["tensors_exact"] < r["tensors_total"]:
+            blas = (f" Same-input tensors {r['tensors_exact']}/{r['tensors_total']} exact (max {r['max_ulp']:,} ULP): "
+                    "with OpenBLAS preloaded, an fp32 product's rows round differently with the number of rows "
+                    f"multiplied, so blocks of {BLOCK_TOKENS} differ from a native prefill in chunks of "
+                    f"{SAME_INPUT_STEP}; under the reference BLAS the same check is exact (BENCHMARKS.md).")
+        out += (f"\n{r['family']} ({r['cache_dtype']}): {r['prompts']} prompts of {lengths} tokens "
+                f"({', '.join(r['sources'])}; "
                 f"{'chat' if r['chat'] else 'plain completions'}); "
                 f"first token {r['first_token_agreement']:.2f}, greedy 32 {r['greedy32_agreement']:.2f}, "
                 f"front-door text {r['front_door_text_agreement']:.2f}, KL mean {r['kl_mean']:.1e} (max "
                 f"{r['kl_max']:.1e}){against}. Payload {r['payload_bytes_per_token']:,.0f} bytes/token. TTFT native / "
-                f"bridged by prompt length: {ttft}.\n")
+                f"bridged by prompt length: {ttft}.{blas}\n")
     return out
 
 
