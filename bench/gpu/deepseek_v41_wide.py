@@ -71,8 +71,10 @@ def config_for(tiny, tokenizer: Path) -> dict:
     config = defaults | {k: v for k, v in tiny.DEEPSEEK_V41.items() if k != "weights"} | WIDTH
     return config | {"num_hidden_layers": len(ratios), "compress_ratios": ratios, "kv_source_layer_ids": kv,
                      "index_source_layer_ids": index, "vocab_size": vocab, "rope_scaling": ROPE,
-                     # Read by vLLM's V4 base classes, fixed in mlx-lm's.
-                     "hidden_act": "silu", "num_nextn_predict_layers": 0, **generation}
+                     # Read by vLLM's V4 base classes, fixed in mlx-lm's; without noaux_tc vLLM's
+                     # router has no e_score_correction_bias (mlx-lm's always adds it).
+                     "hidden_act": "silu", "num_nextn_predict_layers": 0, "topk_method": "noaux_tc",
+                     **generation}
 
 
 def draw(kind: str, shape: tuple[int, ...], gen: torch.Generator, lm_head_scale: float) -> torch.Tensor:
