@@ -456,20 +456,45 @@ impl Engines {
     /// The same engines on a generated checkpoint (`scripts/make-tiny-model.py --family <family>`):
     /// a folder per engine, or one folder both load (a checkpoint in its publisher's format).
     pub fn family(family: &str) -> Engines {
+        Engines::checkpoint(&format!("tiny-{family}"))
+    }
+
+    /// The same engines on the checkpoint `models/<name>-{mlx,hf}` (or `models/<name>`, one folder
+    /// both load): a generated family's, or a real one (`scripts/prepare-gguf-model.py`).
+    pub fn checkpoint(name: &str) -> Engines {
         let root = workspace_root();
-        let published = root.join(format!("models/tiny-{family}"));
+        let published = root.join(format!("models/{name}"));
         let folder = |engine: &str| match published.exists() {
             true => published.clone(),
-            false => root.join(format!("models/tiny-{family}-{engine}")),
+            false => root.join(format!("models/{name}-{engine}")),
         };
         let engines = Engines { decoder_model: folder("mlx"), prefill_model: folder("hf"), ..Engines::locate() };
         for path in [&engines.decoder_model, &engines.prefill_model] {
-            assert!(path.exists(), "{} is missing: run scripts/test.sh (it generates the checkpoints)", path.display());
+            assert!(path.exists(), "{} is missing: run scripts/test.sh (it prepares the checkpoints)", path.display());
         }
         let config: serde_json::Value =
             serde_json::from_slice(&std::fs::read(engines.prefill_model.join("config.json")).unwrap()).unwrap();
         let prefill_dtype = config["torch_dtype"].as_str().unwrap_or("float32").to_owned();
         Engines { prefill_dtype, ..engines }
+    }
+
+    /// The OpenBLAS the engines' environment holds (opencv-python-headless's): MLX's CPU backend on
+    /// Linux multiplies dense fp32 on a reference BLAS, ~70x slower, unless this is preloaded.
+    pub fn openblas(&self) -> PathBuf {
+        let lib = self.python.parent().and_then(Path::parent).expect(".venv/bin/python").join("lib");
+        std::fs::read_dir(&lib)
+            .unwrap_or_else(|e| panic!("{}: {e}", lib.display()))
+            .flatten()
+            .filter_map(|python| {
+                std::fs::read_dir(python.path().join("site-packages/opencv_python_headless.libs")).ok()
+            })
+            .flatten()
+            .flatten()
+            .map(|entry| entry.path())
+            .find(|path| path.file_name().is_some_and(|name| name.to_string_lossy().starts_with("libopenblas")))
+            .unwrap_or_else(|| {
+                panic!("no libopenblas*.so under {}/*/site-packages/opencv_python_headless.libs", lib.display())
+            })
     }
 
     /// decoded with its real engine; `extra` is appended (e.g. a `[front]` section).

@@ -16,8 +16,10 @@ pub(crate) struct Answer {
 }
 
 impl Answer {
+    /// A chat's message, or a completion's text.
     pub fn text(&self) -> &str {
-        self.body["choices"][0]["message"]["content"].as_str().unwrap_or_default()
+        let choice = &self.body["choices"][0];
+        choice["message"]["content"].as_str().or(choice["text"].as_str()).unwrap_or_default()
     }
     pub fn cached_tokens(&self) -> u64 {
         self.body["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().expect("usage.cached_tokens")
@@ -42,7 +44,17 @@ pub(crate) async fn chat_at(url: &str, messages: &Value, mode: &str) -> Answer {
 
 /// [`chat_at`] with these request headers.
 pub(crate) async fn chat_with(url: &str, messages: &Value, headers: &[(&str, &str)]) -> Answer {
-    let body = json!({"messages": messages, "max_tokens": 8, "temperature": 0});
+    ask(url, json!({"messages": messages, "max_tokens": 8, "temperature": 0}), headers).await
+}
+
+/// A base model's plain `prompt` continued through the front door's `/v1/completions`.
+pub(crate) async fn complete(decoded: &Daemon, prompt: &str, mode: &str) -> Answer {
+    let url = format!("http://{}/v1/completions", decoded.front.expect("front door"));
+    let body = json!({"prompt": prompt, "max_tokens": 8, "temperature": 0});
+    ask(&url, body, &[("x-pd-bridge-mode", mode)]).await
+}
+
+async fn ask(url: &str, body: Value, headers: &[(&str, &str)]) -> Answer {
     let mut request = reqwest::Client::new().post(url).json(&body);
     for (name, value) in headers {
         request = request.header(*name, *value);

@@ -1,11 +1,11 @@
 //! Model families other than the test model, end to end on the real engines, one per cache kind
 //! and capture route beyond the test model's (the codec's own suite holds every family's
-//! reconstruction to the decoder's, tensor by tensor): sliding windows (Gemma 3, whose vLLM class
-//! gets its capture hooks from the plugin), a latent cache (DeepSeek-V3 MLA, vLLM in bf16),
-//! recurrent states (Qwen3-Next's gated delta-net, vLLM in bf16; a follow-up turn restores a
-//! stored state), a window and pools (DeepSeek-V4.1, on the plugin's own vLLM class); and a cache
-//! class without a codec is refused at the handshake with its reason. A quantized KV cache
-//! (Llama 3.1, rope scaling) is bridged under tensor parallelism (`topology`).
+//! reconstruction to the decoder's, tensor by tensor): sliding windows (the real Gemma 3 270M,
+//! whose vLLM class gets its capture hooks from the plugin), a latent cache (DeepSeek-V3 MLA, vLLM
+//! in bf16), recurrent states (Qwen3-Next's gated delta-net, vLLM in bf16; a follow-up turn
+//! restores a stored state), a window and pools (DeepSeek-V4.1, on the plugin's own vLLM class);
+//! and a cache class without a codec is refused at the handshake with its reason. A quantized KV
+//! cache (Llama 3.1, rope scaling) is bridged under tensor parallelism (`topology`).
 
 use std::time::Duration;
 
@@ -13,67 +13,117 @@ use pdbridge_common::proto::{
     PrefillRequest, outcome::Status, prefill_event::Event, prefiller_client::PrefillerClient,
 };
 use pdbridge_tests::{Daemon, Engines, Reserved, Scratch, decoders, fixed_spec_config, license_text};
+use serde_json::Value;
 
-use crate::answers::{chat, user};
+use crate::answers::{Answer, chat, complete, user};
 
+/// The generated families' store block.
 const BLOCK_TOKENS: u32 = 64;
 
-/// prefilld and decoded on `family`'s generated checkpoint, the decoder's `[engine]` given
-/// `engine_keys`; a cold prompt bridged, then served natively: the same greedy answer. prefilld
-/// may also push to the decoder at `also`.
-async fn bridges_as_the_decoder_answers(
-    family: &str,
-    engine_keys: &str,
-    scratch: &Scratch,
-    also: Option<&Reserved>,
-) -> Daemon {
-    let engines = Engines::family(family);
+/// What a case asks the front door: a chat, or a base model's plain prompt to continue.
+enum Prompt {
+    Chat(Value),
+    Plain(String),
+}
+
+impl Prompt {
+    async fn ask(&self, decoded: &Daemon, mode: &str) -> Answer {
+        match self {
+            Prompt::Chat(messages) => chat(decoded, messages, mode).await,
+            Prompt::Plain(prompt) => complete(decoded, prompt, mode).await,
+        }
+    }
+}
+
+/// A checkpoint bridged end to end: its engines, the `[engine.env]` keys both daemons' engines
+/// get, the store's block, the prompt and the whole blocks it must make at least.
+struct Case {
+    name: &'static str,
+    engines: Engines,
+    engine_env: String,
+    block_tokens: u32,
+    prompt: Prompt,
+    min_blocks: u64,
+}
+
+impl Case {
+    /// A generated family's checkpoint, asked about the license's start in blocks of 64 tokens.
+    fn family(family: &'static str) -> Case {
+        let prompt = Prompt::Chat(user(&format!("{}\n\nWhat is this text?", &license_text()[..2400])));
+        Case {
+            name: family,
+            engines: Engines::family(family),
+            engine_env: String::new(),
+            block_tokens: BLOCK_TOKENS,
+            prompt,
+            min_blocks: 4,
+        }
+    }
+
+    /// The real Gemma 3 270M (a base model: no chat template), half the license to continue in
+    /// blocks of its 512-token sliding window (a bridged block holds a window): 2 blocks, the
+    /// second past the window, and a tail. Its dense fp32 matmuls run on OpenBLAS in both daemons'
+    /// MLX (on the reference BLAS its native prefill takes minutes).
+    fn gemma3_270m() -> Case {
+        let engines = Engines::checkpoint("gemma3-270m");
+        let engine_env = format!("LD_PRELOAD = {:?}\n", engines.openblas());
+        let prompt = Prompt::Plain(format!("{}\n\nIn short, the text above", &license_text()[..5800]));
+        Case { name: "gemma3-270m", engines, engine_env, block_tokens: 512, prompt, min_blocks: 2 }
+    }
+}
+
+/// prefilld and decoded on `case`'s checkpoint; a cold prompt bridged, then served natively: the
+/// same greedy answer. prefilld may also push to the decoder at `also`.
+async fn bridges_as_the_decoder_answers(case: Case, scratch: &Scratch, also: Option<&Reserved>) -> Daemon {
+    let Case { name, engines, engine_env, block_tokens, prompt, min_blocks } = case;
     let port = Reserved::new();
     let addrs: Vec<String> =
         std::iter::once(port.addr()).chain(also.map(Reserved::addr)).map(|addr| format!("http://{addr}")).collect();
-    let prefilld =
-        Daemon::start("prefilld", &engines.prefilld_config(&scratch.0.join(family), &decoders(&addrs))).await;
+    let prefilld = Daemon::start(
+        "prefilld",
+        &engines.prefilld_config_with(&scratch.0.join(name), "", &engine_env, &decoders(&addrs)),
+    )
+    .await;
+    let decoder_env = if engine_env.is_empty() { String::new() } else { format!("[engine.env]\n{engine_env}") };
     let extra = format!(
-        "{engine_keys}\n[front]\nlisten = \"127.0.0.1:0\"\nprefilld = \"http://{}\"\nmin_bridge_tokens = {BLOCK_TOKENS}\n",
+        "{decoder_env}\n[front]\nlisten = \"127.0.0.1:0\"\nprefilld = \"http://{}\"\nmin_bridge_tokens = {block_tokens}\n",
         prefilld.grpc
     );
-    let store = scratch.0.join(format!("{family}-store"));
+    let store = scratch.0.join(format!("{name}-store"));
     let mut decoded =
-        Daemon::start("decoded", &port.release_into(&engines.decoded_config(&store, BLOCK_TOKENS, &extra))).await;
+        Daemon::start("decoded", &port.release_into(&engines.decoded_config(&store, block_tokens, &extra))).await;
     decoded.wait_ready(Duration::from_secs(300)).await;
     prefilld.wait_ready(Duration::from_secs(900)).await;
 
-    let license = license_text();
-    let prompt = user(&format!("{}\n\nWhat is this text?", &license[..2400]));
-    let bridged = chat(&decoded, &prompt, "auto").await;
-    assert_eq!(bridged.status, 200, "{family}: {:?}", bridged.body);
-    assert_eq!(bridged.verdict["outcome"], "bridged", "{family}: {}", bridged.verdict);
-    let blocks = bridged.prompt_tokens() / u64::from(BLOCK_TOKENS);
+    let bridged = prompt.ask(&decoded, "auto").await;
+    assert_eq!(bridged.status, 200, "{name}: {:?}", bridged.body);
+    assert_eq!(bridged.verdict["outcome"], "bridged", "{name}: {}", bridged.verdict);
+    let blocks = bridged.prompt_tokens() / u64::from(block_tokens);
     // Every whole block and the tail after them: the decoder computes one prompt token. A
     // pooled cache (DeepSeek-V4.1) stores whole blocks only, of all but the last token.
-    let cached = match family {
+    let cached = match name {
         "deepseek_v41" | "deepseek_v41_flash" => {
-            (bridged.prompt_tokens() - 1) / u64::from(BLOCK_TOKENS) * u64::from(BLOCK_TOKENS)
+            (bridged.prompt_tokens() - 1) / u64::from(block_tokens) * u64::from(block_tokens)
         }
         _ => bridged.prompt_tokens() - 1,
     };
-    assert!(blocks >= 4 && bridged.cached_tokens() == cached, "{family}: {}", bridged.verdict);
-    let native = chat(&decoded, &prompt, "native").await;
+    assert!(blocks >= min_blocks && bridged.cached_tokens() == cached, "{name}: {}", bridged.verdict);
+    let native = prompt.ask(&decoded, "native").await;
     assert_eq!(native.cached_tokens(), 0);
     assert!(!native.text().is_empty());
-    assert_eq!(native.text(), bridged.text(), "{family}: bridged and native greedy answers differ");
-    if family == "qwen3_next" {
+    assert_eq!(native.text(), bridged.text(), "{name}: bridged and native greedy answers differ");
+    if let (Prompt::Chat(messages), "qwen3_next") = (&prompt, name) {
         // The next turn extends the conversation: its first blocks, recurrent states included,
         // come from the store; the rest is bridged (prefilld's plugin runs the known blocks only
         // to carry the state to the new ones) and the answer is the native one.
-        let mut turn = prompt.clone();
+        let mut turn = messages.clone();
         let messages = turn.as_array_mut().unwrap();
         messages.push(serde_json::json!({"role": "assistant", "content": bridged.text()}));
-        messages.push(user(&format!("And this one?\n\n{}", &license[2400..3400]))[0].clone());
+        messages.push(user(&format!("And this one?\n\n{}", &license_text()[2400..3400]))[0].clone());
         let next = chat(&decoded, &turn, "auto").await;
         assert_eq!(next.status, 200, "{:?}", next.body);
         let bridged_now = next.verdict["blocks"].as_u64().unwrap();
-        let whole = (next.prompt_tokens() - 1) / u64::from(BLOCK_TOKENS);
+        let whole = (next.prompt_tokens() - 1) / u64::from(block_tokens);
         assert!(bridged_now > 0 && bridged_now < whole, "{}", next.verdict);
         assert_eq!(next.cached_tokens(), next.prompt_tokens() - 1, "{}", next.verdict);
         assert_eq!(next.text(), chat(&decoded, &turn, "native").await.text(), "follow-up turn differs");
@@ -84,20 +134,20 @@ async fn bridges_as_the_decoder_answers(
 }
 
 #[tokio::test]
-async fn generated_families_bridge_as_their_decoder_answers() {
+async fn families_bridge_as_their_decoder_answers() {
     let scratch = Scratch::new("families");
-    // Gemma 3: sliding-window layers (RotatingKVCache) beside a global one, (1+w) norms; vLLM's
-    // class gets its capture from the plugin's hooks.
-    let mut prefilld = bridges_as_the_decoder_answers("gemma3", "", &scratch, None).await;
+    // Gemma 3 (real weights): sliding-window layers (RotatingKVCache) of 512 tokens beside global
+    // ones, (1+w) norms; vLLM's class gets its capture from the plugin's hooks.
+    let mut prefilld = bridges_as_the_decoder_answers(Case::gemma3_270m(), &scratch, None).await;
     prefilld.terminate();
     prefilld.wait(Duration::from_secs(120)).await;
     // Qwen3-Next: three gated delta-net layers (a recurrent state each) and a full-attention one.
-    let mut prefilld = bridges_as_the_decoder_answers("qwen3_next", "", &scratch, None).await;
+    let mut prefilld = bridges_as_the_decoder_answers(Case::family("qwen3_next"), &scratch, None).await;
     prefilld.terminate();
     prefilld.wait(Duration::from_secs(120)).await;
     // DeepSeek-V3: multi-head latent attention, MoE; vLLM in bf16, the decoder in fp32.
     let listed_port = Reserved::new();
-    let prefilld = bridges_as_the_decoder_answers("deepseek_v3", "", &scratch, Some(&listed_port)).await;
+    let prefilld = bridges_as_the_decoder_answers(Case::family("deepseek_v3"), &scratch, Some(&listed_port)).await;
 
     // A decoder whose layer 1 keeps a list of caches (no codec): prefilld refuses at the
     // handshake, naming the layer and why, and bridges nothing.
@@ -137,7 +187,7 @@ async fn generated_families_bridge_as_their_decoder_answers() {
 #[tokio::test]
 async fn deepseek_v41_windows_and_pools_bridge_as_the_decoder_answers() {
     let scratch = Scratch::new("families-v41");
-    let mut prefilld = bridges_as_the_decoder_answers("deepseek_v41_flash", "", &scratch, None).await;
+    let mut prefilld = bridges_as_the_decoder_answers(Case::family("deepseek_v41_flash"), &scratch, None).await;
     prefilld.terminate();
     prefilld.wait(Duration::from_secs(120)).await;
 }
