@@ -454,7 +454,7 @@ def real_note(rows: list[dict]) -> str:
             blas = (f" Same-input tensors {r['tensors_exact']}/{r['tensors_total']} exact (max {r['max_ulp']:,} ULP): "
                     "with OpenBLAS preloaded, an fp32 product's rows round differently with the number of rows "
                     f"multiplied, so blocks of {BLOCK_TOKENS} differ from a native prefill in chunks of "
-                    f"{SAME_INPUT_STEP}; under the reference BLAS the same check is exact (BENCHMARKS.md).")
+                    f"{SAME_INPUT_STEP}; under the reference BLAS the same check on Gemma 3 270M is exact (BENCHMARKS.md).")
         out += (f"\n{r['family']} ({r['cache_dtype']}): {r['prompts']} prompts of {lengths} tokens "
                 f"({', '.join(r['sources'])}; "
                 f"{'chat' if r['chat'] else 'plain completions'}); "
