@@ -465,6 +465,28 @@ def real_note(rows: list[dict]) -> str:
     return out
 
 
+ROUTES = """
+## Routes: which caches come from vLLM's own K/V
+
+prefilld makes the decoder's cache one of two ways (`engine.route`; the verdict's `route` says
+which served a request):
+- `kv` (the default on CUDA where it qualifies): vLLM's own paged K/V laid out as the decoder's
+  cache; nothing is recomputed and no MLX runs on the prefill box. A layer qualifies when its cache
+  holds what vLLM's paged cache holds, post-RoPE keys and values per token from the same weights:
+  `KVCache` (smollm2, llama3, qwen3, the global layers of gemma3 and gpt_oss), `RotatingKVCache`
+  (sliding windows: gemma3, gpt_oss; a step's rows are read as vLLM writes them, before it frees a
+  window's blocks), `QuantizedKVCache` (the same rows quantized on the prefill GPU exactly as
+  `mx.quantize` does on the decoder's MLX device). Not: a latent cache (deepseek_v3's MLA: vLLM
+  keeps the latent and the rope part in its own layout, fp8 on GPUs), recurrent states
+  (qwen3_next), DeepSeek-V4.1's window and pools: those take `reconstruct`, and a prefilld started
+  for `kv` refuses them at the first prefill (`unsupported_model`, naming the layer). Not
+  bit-exact: vLLM's projections sum in another order than MLX's (within 7.6e-6 relative of the
+  decoder's native cache on the test model in fp32).
+- `reconstruct`: the decoder's own mlx-lm modules over captured layer inputs; every kind above;
+  bit-exact with the decoder on the same backend (the CPU rows of the table).
+"""
+
+
 def write_models_md(results: dict) -> None:
     text = f"""# Supported models
 
@@ -489,7 +511,7 @@ A model whose cache the decoder cannot hand over (a layer class without a codec 
 `common/engine/pdbridge_cache/kinds.py`) is refused at the handshake: verdict `native`, reason
 `unsupported_model`, naming the layer and why. Not bridged yet: DeepSeek-V4 (not V4.1: mlx-lm has
 no model for it), and the families whose rows are missing above.
-{pooled_note(results['rows'])}{real_note(results['rows'])}"""
+{ROUTES}{pooled_note(results['rows'])}{real_note(results['rows'])}"""
     (ROOT / "MODELS.md").write_text(text)
 
 

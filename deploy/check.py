@@ -13,11 +13,14 @@
   grafana/*.json     valid JSON; importable shape; every panel has a target with an expr; only
                      the daemons' metric and label names; brackets and quotes balance.
   prometheus/*.yml   YAML (PyYAML if available, else a structural check): both jobs, ports,
-                     metrics_path, role labels, interval; promtool check config if installed.
+                     metrics_path, role labels, interval; promtool check config; rules.yml by
+                     promtool check rules and its unit tests (rules.test.yml) by promtool test
+                     rules; every alert has a runbook line in deploy/README.md.
 
 Usage: deploy/check.sh (or python3 deploy/check.py): exit 0 when everything passes, 1 with FAIL
-lines on stderr otherwise. Needs Python >= 3.11 and systemd-analyze (Debian: apt-get install -y
-systemd). Without systemd-analyze it fails unless PDB_DEPLOY_CHECK_NO_SYSTEMD=1 (e.g. on macOS),
+lines on stderr otherwise. Needs Python >= 3.11, systemd-analyze (Debian: apt-get install -y
+systemd) and promtool (scripts/setup-prometheus.sh puts it under var/prometheus/; PROMTOOL= names
+another). Without systemd-analyze it fails unless PDB_DEPLOY_CHECK_NO_SYSTEMD=1 (e.g. on macOS),
 which skips only that step.
 """
 
@@ -373,7 +376,8 @@ def check_launchd():
         report(path, problems, f"property list with the required keys, types and values")
 
 # --- Grafana dashboard ----------------------------------------------------------------------
-HISTOGRAMS = {"pdbridge_ttft_seconds", "pdbridge_stage_seconds", "pdbridge_prefill_duration_seconds"}
+HISTOGRAMS = {"pdbridge_ttft_seconds", "pdbridge_stage_seconds", "pdbridge_prefill_duration_seconds",
+              "grpc_server_handling_seconds", "http_server_request_duration_seconds"}
 METRICS = {
     "pdbridge_bridge_outcomes_total", "pdbridge_stream_bytes_total", "pdbridge_push_bytes_total",
     "pdbridge_stream_blocks_total", "pdbridge_store_blocks_committed_total",
@@ -381,12 +385,22 @@ METRICS = {
     "pdbridge_store_blocks", "pdbridge_store_lookups_total", "pdbridge_store_evictions_total",
     "pdbridge_store_quarantined_total", "pdbridge_engine_up", "pdbridge_engine_restarts_total",
     "pdbridge_front_requests_in_flight", "pdbridge_push_streams_in_flight", "pdbridge_prefill_in_flight",
-    "pdbridge_grpc_errors_total", "pdbridge_prefill_requests_total", "pdbridge_build_info",
+    "grpc_server_handled_total", "pdbridge_prefill_requests_total", "pdbridge_build_info",
     "pdbridge_insecure_listeners", "pdbridge_front_unauthorized_total", "pdbridge_push_memory_bytes",
-    "pdbridge_push_memory_limit_bytes", "pdbridge_engine_alive",
-} | {h + "_bucket" for h in HISTOGRAMS}
-LABELS = {"outcome", "reason", "stage", "engine", "service", "code", "daemon", "version", "le", "role"}
+    "pdbridge_push_memory_limit_bytes", "pdbridge_engine_alive", "pdbridge_tls_cert_expiry_timestamp_seconds",
+} | {h + "_bucket" for h in HISTOGRAMS} | {"http_server_request_duration_seconds_count"}
+LABELS = {"outcome", "reason", "stage", "engine", "daemon", "version", "le", "role", "job", "instance",
+          "grpc_service", "grpc_method", "grpc_code", "http_route", "http_response_status_code"}
 DS_UID = "${DS_PROMETHEUS}"
+
+def recorded():
+    """rules.yml's recording rules: each recorded name with the metric names its expression reads."""
+    text = open(os.path.join(deploy, "prometheus", "rules.yml")).read()
+    blocks = re.split(r"^\s*-\s*(?=record:|alert:)", text, flags=re.M)[1:]
+    return {m.group(1): set(re.findall(r"\b(?:pdbridge|grpc_server|http_server)_[a-z0-9_]+", b))
+            for b in blocks if (m := re.match(r"record:\s*(\S+)", b))}
+
+RECORDS = recorded()
 
 def balanced(expr):
     stack, pairs, quote = [], {")": "(", "]": "[", "}": "{"}, None
@@ -459,7 +473,11 @@ def check_grafana():
             for expr in exprs:
                 if not balanced(expr):
                     problems.append(f"{name}: unbalanced brackets or quotes in {expr!r}")
-                names = set(re.findall(r"\bpdbridge_[a-z0-9_]+", expr))
+                names = set(re.findall(r"\b(?:pdbridge|grpc_server|http_server)_[a-z0-9_]+", expr))
+                for record in re.findall(r"\bpdbridge:[a-z0-9_:]+", expr):
+                    if record not in RECORDS:
+                        problems.append(f"{name}: {record} is not recorded by prometheus/rules.yml")
+                    names |= RECORDS.get(record, set())
                 used |= names
                 for m in sorted(names - METRICS):
                     problems.append(f"{name}: {m} is not one of the daemons' metrics")
@@ -554,11 +572,39 @@ def check_prometheus(yaml_py):
         if not re.search(r"^\s*scrape_interval:\s*\S+", text, re.M):
             problems.append("no scrape_interval")
     if text is not None:
-        if shutil.which("promtool"):
-            r = subprocess.run(["promtool", "check", "config", path], capture_output=True, text=True)
-            if r.returncode != 0:
-                problems.append(f"promtool check config: {(r.stdout + r.stderr).strip()}")
-        report(path, problems, f"{how}: both jobs, ports, /metrics, role labels, interval")
+        problems += promtool_problems(["check", "config", path])
+        report(path, problems, f"{how}: both jobs, ports, /metrics, role labels, interval; promtool check config")
+
+
+def promtool():
+    """promtool: PROMTOOL=, else the one scripts/setup-prometheus.sh unpacked, else PATH's."""
+    unpacked = os.path.join(root, "var", "prometheus", "usr", "bin", "promtool")
+    return os.environ.get("PROMTOOL") or (unpacked if os.access(unpacked, os.X_OK) else shutil.which("promtool"))
+
+
+def promtool_problems(args):
+    tool = promtool()
+    if not tool:
+        return ["promtool not found: run scripts/setup-prometheus.sh (or set PROMTOOL=)"]
+    r = subprocess.run([tool, *args], capture_output=True, text=True, cwd=os.path.join(deploy, "prometheus"))
+    return [] if r.returncode == 0 else [f"promtool {' '.join(args[:2])}: {(r.stdout + r.stderr).strip()}"]
+
+
+def check_rules():
+    path = os.path.join(deploy, "prometheus", "rules.yml")
+    problems = promtool_problems(["check", "rules", path])
+    problems += promtool_problems(["test", "rules", os.path.join(deploy, "prometheus", "rules.test.yml")])
+    alerts = re.findall(r"^\s*-\s*alert:\s*(\S+)", open(path).read(), re.M)
+    if not alerts:
+        problems.append("no alerts")
+    tests = open(os.path.join(deploy, "prometheus", "rules.test.yml")).read()
+    runbook = open(os.path.join(deploy, "README.md")).read()
+    for alert in alerts:
+        if f"alertname: {alert}" not in tests:
+            problems.append(f"{alert}: no unit test in rules.test.yml")
+        if f"`{alert}`" not in runbook:
+            problems.append(f"{alert}: no runbook line in deploy/README.md")
+    report(path, problems, f"promtool check rules, promtool test rules; {len(alerts)} alerts, each tested, each with a runbook line")
 
 
 def main():
@@ -569,6 +615,7 @@ def main():
     check_launchd()
     check_grafana()
     check_prometheus(yaml_python())
+    check_rules()
 
 
 if __name__ == "__main__":

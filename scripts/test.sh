@@ -17,6 +17,7 @@ case "${1:-}" in
 esac
 
 scripts/setup-engines.sh
+scripts/setup-prometheus.sh
 # deploy/check.sh verifies the service units with systemd-analyze.
 if ! command -v systemd-analyze >/dev/null; then
   if [ "$(id -u)" = 0 ]; then
@@ -26,18 +27,9 @@ if ! command -v systemd-analyze >/dev/null; then
     exit 1
   fi
 fi
-# The models (one core of Python) while the daemons build: the real checkpoints (the test model;
-# Gemma 3 270M, ~3 minutes the first time), and the generated families the tests bridge (seconds
-# each); all idempotent.
-models() {
-  .venv/bin/python scripts/prepare-model.py
-  .venv/bin/python scripts/prepare-gguf-model.py --model gemma3-270m
-  for family in llama3 qwen3 gemma3 deepseek_v3 gpt_oss qwen3_next deepseek_v41 deepseek_v41_flash; do
-    .venv/bin/python scripts/make-tiny-model.py --family "$family"
-  done
-}
+# The models (one core of Python) while the daemons build.
 models_log=$(mktemp)
-models >"$models_log" 2>&1 &
+scripts/prepare-test-models.sh >"$models_log" 2>&1 &
 models_pid=$!
 cargo build --workspace --bins --locked
 if ! wait "$models_pid"; then
@@ -87,7 +79,9 @@ fast() {
            "common/engine/tests test_*.py decoded/engine/tests test_golden.py
             decoded/engine/tests test_stop_text.py prefilld/engine/tests test_params.py
             prefilld/engine/tests test_capture.py prefilld/engine/tests test_streamer.py
-            prefilld/engine/tests test_link.py bench/gpu test_carry.py")
+            prefilld/engine/tests test_link.py prefilld/engine/tests test_kv_quant.py
+            prefilld/engine/tests test_ring.py
+            bench/gpu test_carry.py")
   tier 'not binary(engines)' "$@"
 }
 

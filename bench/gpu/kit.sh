@@ -21,7 +21,8 @@
 #                                   at full width, 4 layers; results in var/gpu-v41/results, copied to $OUT)
 # `start` passes PDB_* variables on to both daemons; DECODED_CONFIG and PREFILLD_CONFIG name other
 # configs, STORE_DIR another store (e.g. on /dev/shm); prefill-box's KV_BITS quantizes the
-# decoder's KV cache (engine.kv_bits: 8 or 4, the bytes a block carries halved or quartered); STREAM_CONNECTIONS prefilld's
+# decoder's KV cache (engine.kv_bits: 8 or 4, the bytes a block carries halved or quartered); LINK_GBPS holds
+# prefilld's Push to that rate (stream.link_gbps: a 10 GbE link to the Mac); STREAM_CONNECTIONS prefilld's
 # Push connections (default 4, the CUDA example's: 2026-12-04 on the H200, 2 -> 4 took 128K from
 # 22.1 to 19.2 s and 8 did little more; PDB_STREAM__* would reach decoded too, which has no [stream]
 # and refuses it).
@@ -205,14 +206,16 @@ mlx_cuda() {
 # Both daemons' configs for a prefill box on one GPU, derived from deploy/examples/: the decoder's
 # folder, vLLM's, the plugin's handoff, vLLM's share of the GPU; bf16 and 128K prompts.
 box_configs() {
-  local box=$1 decoder=$2 prefill=$3 handoff=$4 share=$5 kv=()
+  local box=$1 decoder=$2 prefill=$3 handoff=$4 share=$5 kv=() link=()
   [ -z "${KV_BITS:-}" ] || kv=(-e "s|^# kv_bits = .*|kv_bits = $KV_BITS|")
+  # LINK_GBPS: prefilld's Push held to that rate (stream.link_gbps), the link to a Mac emulated.
+  [ -z "${LINK_GBPS:-}" ] || link=(-e "s|^\[stream\]|[stream]\nlink_gbps = $LINK_GBPS|")
   sed -e "s|^model = .*|model = \"$decoder\"|" -e 's|^dtype = .*|dtype = "bfloat16"|' "${kv[@]}" \
     -e 's|^budget_bytes = .*|budget_bytes = 48000000000|' deploy/examples/decoded.toml >"$box/decoded.toml"
   sed -e "s|^model = .*|model = \"$prefill\"|" -e 's|^dtype = .*|dtype = "bfloat16"|' \
     -e 's|^max_model_len = .*|max_model_len = 135168|' -e "s|\"--gpu-memory-utilization\", \"0.5\"|\"--gpu-memory-utilization\", \"$share\"|" \
     -e "s|^handoff = .*|handoff = \"$handoff\"|" \
-    -e "s|^connections = .*|connections = ${STREAM_CONNECTIONS:-4}|" deploy/examples/prefilld-cuda.toml >"$box/prefilld.toml"
+    -e "s|^connections = .*|connections = ${STREAM_CONNECTIONS:-4}|" "${link[@]}" deploy/examples/prefilld-cuda.toml >"$box/prefilld.toml"
 }
 
 # prefill_box.py's native phase under `limit` seconds, its tables and log in `results`: vLLM alone
@@ -248,7 +251,7 @@ prefill_box() {
     case "${1:-}" in host | device | auto) handoff=$1; shift ;; esac
     [ "$setting" = 4bit ] || decoder=models/llama8b-hf
     box_configs "$box" "$decoder" models/llama8b-hf "$handoff" 0.7
-    setting=$setting${KV_BITS:+-kv$KV_BITS}-$handoff
+    setting=$setting${KV_BITS:+-kv$KV_BITS}${LINK_GBPS:+-link$LINK_GBPS}-$handoff
     DECODED_CONFIG="$box/decoded.toml" PREFILLD_CONFIG="$box/prefilld.toml" start &&
       PYTHONPATH=bench PYTHONUNBUFFERED=1 timeout "$limit" \
         .venv/bin/python bench/gpu/prefill_box.py bridged --out "$box/results/$setting" "$@" 2>&1 |

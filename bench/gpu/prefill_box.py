@@ -2,13 +2,16 @@
 """The prefill box at real shape: vLLM's own prefill vs the bridged prefill box on the same token ids.
 
     bridged  with both daemons running (bench/gpu/kit.sh remote start, on bench/gpu/llama8b.py's
-             model): per length one cold prompt of real text (bench/bridge.py's corpus and sizing,
+             model): per length --repeats cold prompts of real text (bench/bridge.py's corpus and sizing,
              through decoded's tokenizer), bridged with `pdbridge warm --json`: prefilld's Prefill
              RPC, i.e. vLLM's prefill with the capture, the reconstruction on MLX, framing and the
              Push into decoded's store on loopback, until the last block is committed. Writes
-             OUT/prompts.json (the token ids) and OUT/bridged.json (seconds, bytes, stage ms).
+             OUT/prompts.json (the first prompt's token ids) and OUT/bridged.json (per length the
+             median run's seconds, bytes and stage ms, and every run's seconds).
     native   with the daemons stopped: vLLM alone (its defaults: CUDA graphs, compile, no plugin),
-             the same token ids, max_tokens 1, prefix caching off, after a warm-up. OUT/native.json.
+             the same token ids, max_tokens 1, prefix caching off, after a warm-up. OUT/native.json;
+             with --offload-gib N, vLLM storing every block through its own OffloadingConnector
+             (the peer a K/V route must match), OUT/native-offload.json.
 
 Both on one GPU one after the other; ratio = native s / bridged s, the share of vLLM's prefill
 throughput the bridged box keeps.
@@ -17,6 +20,7 @@ Usage: PYTHONPATH=bench .venv/bin/python bench/gpu/prefill_box.py bridged --leng
        PYTHONPATH=bench .venv/bin/python bench/gpu/prefill_box.py native --prompts DIR/prompts.json|--lengths N,.. \
                                                                  --out DIR
        PYTHONPATH=bench .venv/bin/python bench/gpu/prefill_box.py plot   (bench/results/gpu_e2e.json -> PNG)
+       PYTHONPATH=bench .venv/bin/python bench/gpu/prefill_box.py plot-kept   (its kv_route rows -> PNG)
 """
 
 from __future__ import annotations
@@ -60,10 +64,15 @@ def bridged(args: argparse.Namespace) -> None:
     warm(prompts.make(WARM_UP_TOKENS)["messages"][0]["content"], args.out, args.front)
     rows, ids = [], {}
     for target in lengths:
-        prompt = prompts.make(target)
-        with client.post("/pd/v1/tokenize", {"messages": prompt["messages"]}) as r:
-            ids[str(target)] = json.load(r)["tokens"]
-        rows.append({"target": target, **warm(prompt["messages"][0]["content"], args.out, args.front)})
+        runs = []
+        for _ in range(args.repeats):  # a new cold prompt each time: nothing of it is stored yet
+            prompt = prompts.make(target)
+            if not runs:
+                with client.post("/pd/v1/tokenize", {"messages": prompt["messages"]}) as r:
+                    ids[str(target)] = json.load(r)["tokens"]
+            runs.append(warm(prompt["messages"][0]["content"], args.out, args.front))
+        runs.sort(key=lambda run: run["seconds"])
+        rows.append({"target": target, "runs_s": [run["seconds"] for run in runs], **runs[len(runs) // 2]})
         print(json.dumps(rows[-1]), flush=True)
         # After every row: a run cut short by the device's time limit keeps what it measured.
         (args.out / "prompts.json").write_text(json.dumps(ids))
@@ -87,12 +96,19 @@ def native(args: argparse.Namespace) -> None:
 
     ids = json.loads(args.prompts.read_text()) if args.prompts else corpus_ids(args.model, args.lengths)
     longest = max(len(t) for t in ids.values())
-    llm = LLM(model=str(args.model), dtype="bfloat16", max_model_len=longest + 16, enable_prefix_caching=False,
+    # --offload-gib: vLLM's own OffloadingConnector stores every block to pinned host memory as it
+    # prefills (the peer to beat); it keys blocks by prefix hashes, so prefix caching is on and
+    # both caches are emptied before each prompt (no hit, every block stored again).
+    offload = dict(kv_offloading_size=args.offload_gib, enable_prefix_caching=True) if args.offload_gib else \
+        dict(enable_prefix_caching=False)
+    llm = LLM(model=str(args.model), dtype="bfloat16", max_model_len=longest + 16,
               gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.eager,
-              tokenizer_mode=args.tokenizer_mode)
+              tokenizer_mode=args.tokenizer_mode, **offload)
     once = SamplingParams(max_tokens=1, temperature=0, detokenize=False)  # ids past the tokenizer's: no text
 
     def prefill(tokens: list[int]) -> float:
+        if args.offload_gib:
+            llm.reset_prefix_cache(reset_connector=True)
         start = time.perf_counter()
         llm.generate([TokensPrompt(prompt_token_ids=tokens)], once, use_tqdm=False)
         return time.perf_counter() - start
@@ -102,9 +118,10 @@ def native(args: argparse.Namespace) -> None:
     for target, tokens in ids.items():
         seconds = sorted(prefill(tokens) for _ in range(args.repeats))
         rows.append({"target": int(target), "tokens": len(tokens), "seconds": seconds,
-                     "median_s": seconds[len(seconds) // 2], "eager": args.eager})
+                     "median_s": seconds[len(seconds) // 2], "eager": args.eager, "offload_gib": args.offload_gib})
         print(json.dumps(rows[-1]), flush=True)
-        (args.out / ("native-eager.json" if args.eager else "native.json")).write_text(json.dumps(rows, indent=2))
+        name = "native" + ("-eager" if args.eager else "") + ("-offload" if args.offload_gib else "")
+        (args.out / f"{name}.json").write_text(json.dumps(rows, indent=2))
 
 
 # The bars of a length's group: vLLM alone, then each bridged setting of the results (by its prefix).
@@ -163,12 +180,54 @@ def plot(args: argparse.Namespace) -> None:
     img.save(args.png)
 
 
+# The kv route's bars: the share of vLLM alone's throughput each box keeps (gpu_e2e.json `kv_route`).
+KEPT = (("vLLM + its OffloadingConnector", "offloading_connector_kept", (120, 120, 120)),
+        ("bridged, kv route (kv_bits 4)", "bridged_kv_route_kept", (40, 90, 200)))
+
+
+def plot_kept(args: argparse.Namespace) -> None:
+    """Per length, the share of vLLM alone's throughput vLLM's own OffloadingConnector and the kv
+    route's bridged box keep, beside the 95 % and 98 % bars."""
+    from PIL import Image, ImageDraw, ImageFont
+
+    rows = json.loads(args.results.read_text())["kv_route"]["prefill_box"]["rows"]
+    width, height, left, top, bottom = 760, 440, 70, 60, 90
+    img = Image.new("RGB", (width, height), "white")
+    d = ImageDraw.Draw(img)
+    font = ImageFont.load_default(size=13)
+
+    def y(share: float) -> float:
+        return height - bottom - (height - top - bottom) * share
+
+    for share in (0.0, 0.25, 0.5, 0.75, 1.0):
+        d.line([(left, y(share)), (width - 20, y(share))], fill=(220, 220, 220))
+        d.text((left - 8, y(share)), f"{share:.0%}", fill="black", font=font, anchor="rm")
+    for share in (0.95, 0.98):  # the issue's bars
+        d.line([(left, y(share)), (width - 20, y(share))], fill=(200, 60, 60))
+    slot, bar = (width - left - 20) / len(rows), 60
+    for i, row in enumerate(rows):
+        x = left + slot * i + 30
+        for k, (_, key, color) in enumerate(KEPT):
+            bx = x + k * (bar + 8)
+            d.rectangle([bx, y(row[key]), bx + bar, y(0)], fill=color)
+            d.text((bx + bar / 2, y(row[key]) - 4), f"{row[key]:.0%}", fill="black", font=font, anchor="mb")
+        d.text((x + bar + 4, height - bottom + 12), f"{row['prompt_tokens']:,} tokens", fill="black", font=font,
+               anchor="ma")
+    for k, (name, _, color) in enumerate(KEPT):
+        lx, ly = left + k * 320, height - 40
+        d.rectangle([lx, ly, lx + 14, ly + 14], fill=color)
+        d.text((lx + 20, ly), name, fill="black", font=font)
+    d.text((width / 2, 20), args.title, fill="black", font=font, anchor="ma")
+    img.save(args.png)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="phase", required=True)
     b = sub.add_parser("bridged")
     b.add_argument("--lengths", default="8192,32768,131072")
     b.add_argument("--front", default="http://127.0.0.1:8080")
+    b.add_argument("--repeats", type=int, default=3, help="cold prompts per length; the row is their median")
     n = sub.add_parser("native")
     n.add_argument("--model", type=Path, default=Path("models/llama8b-hf"))
     source = n.add_mutually_exclusive_group(required=True)
@@ -177,6 +236,8 @@ def main() -> None:
     n.add_argument("--repeats", type=int, default=3)
     n.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     n.add_argument("--eager", action="store_true", help="--enforce-eager, as the capture route runs")
+    n.add_argument("--offload-gib", type=float, default=None,
+                   help="with vLLM's own OffloadingConnector storing every block to this much pinned host memory")
     n.add_argument("--tokenizer-mode", default="auto", help="hf: a model's own prompt encoder left out (ids only)")
     for s in (b, n):
         s.add_argument("--out", type=Path, required=True)
@@ -185,10 +246,15 @@ def main() -> None:
     g.add_argument("--png", type=Path, default=Path("bench/results/gpu_prefill_box.png"))
     g.add_argument("--title", default="Prefill box at Llama-3.1-8B shape on one H200: vLLM alone vs the bridged box "
                                       "(labels: share of vLLM's throughput kept)")
+    k = sub.add_parser("plot-kept", help="the results file's kv_route rows (share of vLLM alone kept) as a PNG")
+    k.add_argument("--results", type=Path, default=Path("bench/results/gpu_e2e.json"))
+    k.add_argument("--png", type=Path, default=Path("bench/results/gpu_kv_route.png"))
+    k.add_argument("--title", default="8B shape on one H100: share of vLLM alone's prefill throughput kept "
+                                      "(red lines: 95 % and 98 %)")
     args = p.parse_args()
-    if args.phase != "plot":
+    if args.phase not in ("plot", "plot-kept"):
         args.out.mkdir(parents=True, exist_ok=True)
-    {"bridged": bridged, "native": native, "plot": plot}[args.phase](args)
+    {"bridged": bridged, "native": native, "plot": plot, "plot-kept": plot_kept}[args.phase](args)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,14 @@ use tokio_util::sync::CancellationToken;
 use crate::{
     admin,
     config::{self, LogFormat, ServerConfig, Sources, TelemetryConfig, Validate},
-    grpc, telemetry,
+    grpc,
+    layers::{
+        access::{AccessLayer, Rules},
+        grpc_metrics::GrpcMeter,
+        metered::MeterLayer,
+    },
+    telemetry,
+    tls::{Peers, Tls},
 };
 
 /// Flags both daemons accept. Each overrides the file and the environment.
@@ -139,6 +146,8 @@ pub struct Rpc {
     pub admin_routes: axum::Router,
     /// Serve gRPC over mutual TLS (`[tls]`); plain HTTP/2 when absent.
     pub tls: Option<crate::tls::Tls>,
+    /// Who may call each of the daemon's RPCs (with `[tls]`; without it, anyone may).
+    pub access: Rules,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -171,8 +180,12 @@ pub async fn serve_rpc(
     if let Some(tls) = &rpc.tls {
         builder = builder.tls_config(tls.server())?;
     }
+    let peers = rpc.tls.as_ref().map_or_else(Peers::open, Tls::peers);
+    // Metrics outermost: an RPC the access rules refuse is counted under the code it got.
+    let layers = tower::ServiceBuilder::new().layer(MeterLayer(GrpcMeter)).layer(AccessLayer::new(peers, rpc.access));
     let mut grpc_task = tokio::spawn(
         builder
+            .layer(layers)
             .add_routes(routes)
             .serve_with_incoming_shutdown(grpc::incoming(rpc.grpc), stop.clone().cancelled_owned()),
     );

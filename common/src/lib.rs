@@ -10,6 +10,7 @@ pub mod config;
 pub mod daemon;
 pub mod grpc;
 pub mod http;
+pub mod layers;
 pub mod liveness;
 pub mod process;
 pub mod proto;

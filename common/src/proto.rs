@@ -33,6 +33,19 @@ impl Dtype {
     }
 }
 
+impl Route {
+    /// As the verdict, the plugin's config and the metrics say it: `kv`, `reconstruct`, `exact`
+    /// (empty when unspecified).
+    pub fn label(self) -> &'static str {
+        match self {
+            Route::Unspecified => "",
+            Route::Reconstruct => "reconstruct",
+            Route::Kv => "kv",
+            Route::Exact => "exact",
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::path::Path;

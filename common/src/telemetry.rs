@@ -66,8 +66,8 @@ pub fn register_common(engine: &'static str, service: &'static str) {
         "1 while the engine is up and answers its liveness probe (engine.liveness); 0 while down or stalled."
     );
     crate::liveness::mark(engine, false);
-    metrics::describe_counter!("pdbridge_grpc_errors_total", "gRPC calls answered with an error, by status code.");
-    metrics::counter!("pdbridge_grpc_errors_total", "service" => service, "code" => "Unavailable").absolute(0);
+    crate::layers::describe();
+    crate::layers::grpc_metrics::register(service);
     metrics::describe_gauge!(
         "pdbridge_insecure_listeners",
         "Listeners reachable from other hosts with nothing authenticating callers (allowed by server.insecure)."
@@ -93,6 +93,17 @@ pub fn record_insecure(listeners: &[&str]) {
             listeners = listeners.join(", "),
             "server.insecure: these listeners accept anyone who can reach them; see SECURITY.md"
         );
+    }
+}
+
+/// Publishes when the certificate the daemon serves expires (`[tls]`), for an alert well before.
+pub fn record_certificate(tls: Option<&crate::tls::Tls>) {
+    if let Some(tls) = tls {
+        metrics::describe_gauge!(
+            "pdbridge_tls_cert_expiry_timestamp_seconds",
+            "When the certificate this daemon serves (tls.cert) expires, in seconds since the epoch."
+        );
+        metrics::gauge!("pdbridge_tls_cert_expiry_timestamp_seconds").set(tls.expires_at() as f64);
     }
 }
 

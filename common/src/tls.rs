@@ -7,8 +7,8 @@
 //! IP without new certificates. A dialing daemon checks that the server it
 //! reached holds the identity its config expects; a serving daemon lets any
 //! certificate signed by the CA open a connection (health and reflection stay
-//! usable by monitors without one), and each RPC then says who may call it:
-//! [`Peers::authenticated`] or [`Peers::authorized`].
+//! usable by monitors without one), and each RPC's access rule says who may call it
+//! (`layers::access`, which asks [`Peers::authenticated`] or [`Peers::authorized`]).
 
 use std::{collections::BTreeSet, path::PathBuf, sync::Arc};
 
@@ -19,7 +19,7 @@ use tokio_rustls::rustls::{
     server::WebPkiClientVerifier,
 };
 use tonic::{
-    Code, Request, Status,
+    Code, Status,
     transport::{Certificate, ClientTlsConfig, Endpoint, Identity, ServerTlsConfig},
 };
 
@@ -88,6 +88,8 @@ pub struct Tls {
     peers: Arc<BTreeSet<String>>,
     /// The PEM files, for listeners that are not gRPC (prefilld's stage listener).
     pem: Arc<Pem>,
+    /// When the certificate this daemon serves stops being valid, in seconds since the epoch.
+    expires_at: i64,
 }
 
 struct Pem {
@@ -106,15 +108,23 @@ impl Tls {
         let key = read("tls.key", &config.key)?;
         let ca = read("tls.ca", &config.ca)?;
         let leaf = first_pem_der(&cert).ok_or_else(|| TlsError::Certificate("no PEM certificate".into()))?;
-        if identities(&leaf).map_err(TlsError::Certificate)?.is_empty() {
+        let parsed = parse(&leaf).map_err(TlsError::Certificate)?;
+        if names_of(&parsed).map_err(TlsError::Certificate)?.is_empty() {
             return Err(TlsError::Certificate("the certificate names no DNS identity".into()));
         }
+        let expires_at = parsed.validity().not_after.timestamp();
         Ok(Tls {
             identity: Identity::from_pem(&cert, &key),
             ca: Certificate::from_pem(&ca),
             peers: Arc::new(config.peers.iter().cloned().collect()),
             pem: Arc::new(Pem { cert, key, ca }),
+            expires_at,
         })
+    }
+
+    /// When the certificate this daemon serves expires, in seconds since the epoch.
+    pub fn expires_at(&self) -> i64 {
+        self.expires_at
     }
 
     /// A rustls server that serves our certificate and admits only clients
@@ -230,19 +240,19 @@ impl Peers {
     }
 
     /// The caller holds a certificate signed by the CA (any identity).
-    pub fn authenticated<T>(&self, request: &Request<T>) -> Result<Option<String>, AuthError> {
+    pub fn authenticated(&self, certs: Option<&[CertificateDer<'_>]>) -> Result<Option<String>, AuthError> {
         if self.allowed.is_none() {
             return Ok(None);
         }
-        let names = caller_identities(request)?;
+        let names = caller_identities(certs)?;
         Ok(names.into_iter().next())
     }
 
     /// The caller holds a certificate signed by the CA whose identity is one of
     /// `tls.peers`; returns that identity.
-    pub fn authorized<T>(&self, request: &Request<T>) -> Result<Option<String>, AuthError> {
+    pub fn authorized(&self, certs: Option<&[CertificateDer<'_>]>) -> Result<Option<String>, AuthError> {
         let Some(allowed) = &self.allowed else { return Ok(None) };
-        let names = caller_identities(request)?;
+        let names = caller_identities(certs)?;
         match names.iter().find(|name| allowed.contains(*name)) {
             Some(name) => Ok(Some(name.clone())),
             None => Err(AuthError::NotAPeer(names.join(", "))),
@@ -253,14 +263,21 @@ impl Peers {
 /// The identities of the caller's verified certificate; UNAUTHENTICATED when
 /// it presented none (rustls has already checked any it presented against
 /// the CA).
-fn caller_identities<T>(request: &Request<T>) -> Result<Vec<String>, AuthError> {
-    let certs = request.peer_certs().filter(|certs| !certs.is_empty()).ok_or(AuthError::NoCertificate)?;
+fn caller_identities(certs: Option<&[CertificateDer<'_>]>) -> Result<Vec<String>, AuthError> {
+    let certs = certs.filter(|certs| !certs.is_empty()).ok_or(AuthError::NoCertificate)?;
     identities(certs[0].as_ref()).map_err(AuthError::BadCertificate)
 }
 
 /// The DNS names in a DER certificate's subjectAltName.
 pub fn identities(der: &[u8]) -> Result<Vec<String>, String> {
-    let (_, cert) = x509_parser::parse_x509_certificate(der).map_err(|e| format!("unreadable certificate: {e}"))?;
+    names_of(&parse(der)?)
+}
+
+fn parse(der: &[u8]) -> Result<x509_parser::certificate::X509Certificate<'_>, String> {
+    x509_parser::parse_x509_certificate(der).map(|(_, cert)| cert).map_err(|e| format!("unreadable certificate: {e}"))
+}
+
+fn names_of(cert: &x509_parser::certificate::X509Certificate<'_>) -> Result<Vec<String>, String> {
     let san = cert.subject_alternative_name().map_err(|e| format!("unreadable subjectAltName: {e}"))?;
     Ok(san
         .into_iter()
@@ -296,15 +313,13 @@ mod tests {
 
     #[test]
     fn without_tls_every_caller_passes() {
-        let request = Request::new(());
-        assert_eq!(Peers::open().authorized(&request).unwrap(), None);
+        assert_eq!(Peers::open().authorized(None).unwrap(), None);
     }
 
     #[test]
     fn with_tls_a_caller_without_a_certificate_is_unauthenticated() {
         let peers = Peers { allowed: Some(Arc::new(["prefill-1".to_owned()].into())) };
-        let request = Request::new(());
-        assert_eq!(peers.authorized(&request).unwrap_err().code(), Code::Unauthenticated);
-        assert_eq!(peers.authenticated(&request).unwrap_err().code(), Code::Unauthenticated);
+        assert_eq!(peers.authorized(None).unwrap_err().code(), Code::Unauthenticated);
+        assert_eq!(peers.authenticated(Some(&[])).unwrap_err().code(), Code::Unauthenticated);
     }
 }

@@ -19,7 +19,7 @@ use pdbridge_common::{
     proto::cache_store_server::CacheStoreServer,
     readiness::Readiness,
     telemetry,
-    tls::{Peers, Tls},
+    tls::Tls,
 };
 use std::sync::Arc;
 
@@ -107,6 +107,7 @@ pub async fn serve(listeners: Listeners, config: Config, shutdown: Shutdown) -> 
     register_metrics();
     telemetry::record_insecure(&config.insecure_listeners());
     let tls = config.tls.as_ref().map(Tls::load).transpose()?;
+    telemetry::record_certificate(tls.as_ref());
     let api_keys = config.front.load_api_keys()?;
     let stop = daemon::cancel_on(shutdown);
     let readiness = Readiness::new();
@@ -131,8 +132,7 @@ pub async fn serve(listeners: Listeners, config: Config, shutdown: Shutdown) -> 
         max_connections_per_peer: config.front.max_connections_per_peer,
     };
     let store_for_admin = store.clone();
-    let peers = tls.as_ref().map_or_else(Peers::open, Tls::peers);
-    let service = CacheStoreService::new(engine, store, &config.store, peers);
+    let service = CacheStoreService::new(engine, store, &config.store);
     let cache_store = CacheStoreServer::new(service)
         .max_decoding_message_size(config.server.http2.max_message_bytes)
         .max_encoding_message_size(config.server.http2.max_message_bytes);
@@ -154,6 +154,7 @@ pub async fn serve(listeners: Listeners, config: Config, shutdown: Shutdown) -> 
         routes: tonic::service::Routes::new(cache_store),
         admin_routes: axum::Router::new().route("/store", axum::routing::get(store_status)).with_state(store_for_admin),
         tls,
+        access: service::ACCESS,
     };
     daemon::serve_rpc(rpc, &config.server, &readiness, SERVICES, stop).await?;
     // The front door drains within the same deadline the gRPC side had.
@@ -191,7 +192,7 @@ async fn store_status(axum::extract::State(store): axum::extract::State<Arc<Stor
 
 /// decoded's metrics, registered at zero (see `telemetry::register_common`).
 fn register_metrics() {
-    telemetry::register_common("mlx", "CacheStore");
+    telemetry::register_common("mlx", SERVICES[0]);
     use front::verdict::metric;
     metrics::describe_counter!(metric::OUTCOMES, "Front-door answers by verdict outcome and reason.");
     metrics::describe_histogram!(metric::TTFT, metrics::Unit::Seconds, "Time to first token at the front door.");

@@ -5,14 +5,13 @@
 use std::{pin::Pin, sync::Arc, time::Duration};
 
 use pdbridge_common::{
+    layers::access::{Access, Caller, Rules},
     proto::{
         BundleChunk, CacheSpec, GetBundleRequest, GetSpecRequest, LookupRequest, LookupResponse, PushFrame,
         PushReceipt, PushSeal, cache_store_server::CacheStore, push_frame::Frame,
     },
     shard::ShardError,
-    spec, telemetry,
-    tls::{AuthError, Peers},
-    traces,
+    spec, telemetry, traces,
 };
 use tokio::{io::AsyncReadExt, sync::Semaphore};
 use tokio_stream::Stream;
@@ -39,17 +38,22 @@ pub struct CacheStoreService {
     push_slots: Arc<Semaphore>,
     max_push_streams: usize,
     push_idle_timeout: Duration,
-    /// Who may call: any holder of a CA-signed certificate may read the spec;
-    /// only `tls.peers` (the prefillers) may Lookup, Push and read the bundle.
-    peers: Peers,
 }
 
+/// Who may call: any holder of a CA-signed certificate may read the spec; only `tls.peers` (the
+/// prefillers) may Lookup, Push and read the bundle.
+pub const ACCESS: Rules = &[
+    ("/pdbridge.v1.CacheStore/GetSpec", Access::Certified),
+    ("/pdbridge.v1.CacheStore/GetBundle", Access::Peer),
+    ("/pdbridge.v1.CacheStore/Lookup", Access::Peer),
+    ("/pdbridge.v1.CacheStore/Push", Access::Peer),
+];
+
 impl CacheStoreService {
-    pub fn new(engine: Option<Engine>, store: Arc<Store>, config: &StoreConfig, peers: Peers) -> Self {
+    pub fn new(engine: Option<Engine>, store: Arc<Store>, config: &StoreConfig) -> Self {
         Self {
             engine,
             store,
-            peers,
             max_open_blocks: config.max_open_blocks,
             push_memory: PushMemory::new(config.max_push_bytes),
             push_slots: Arc::new(Semaphore::new(config.max_push_streams)),
@@ -90,8 +94,6 @@ pub enum ServiceError {
     PushIdle(Duration),
     #[error("token_ids: {0}")]
     BadTokens(String),
-    #[error(transparent)]
-    Auth(#[from] AuthError),
 }
 
 /// The one mapping from domain errors to gRPC statuses: the code, and the
@@ -105,7 +107,6 @@ pub fn status_of(err: &ServiceError) -> Status {
         ServiceError::BadStream(_) | ServiceError::BadTokens(_) => Code::InvalidArgument,
         ServiceError::TooManyPushStreams { .. } => Code::ResourceExhausted,
         ServiceError::PushIdle(_) => Code::DeadlineExceeded,
-        ServiceError::Auth(e) => e.code(),
         ServiceError::Ingest(e) => match e {
             IngestError::SpecMismatch { .. } => Code::FailedPrecondition,
             IngestError::Shard { source: ShardError::Checksum { .. }, .. } => Code::DataLoss,
@@ -128,8 +129,6 @@ pub fn status_of(err: &ServiceError) -> Status {
             | IngestError::AlreadyCommitted { .. } => Code::InvalidArgument,
         },
     };
-    metrics::counter!("pdbridge_grpc_errors_total", "service" => "CacheStore", "code" => format!("{code:?}"))
-        .increment(1);
     // An error that says why no bridge can go on with this decoder names its reason in the
     // status (every FAILED_PRECONDITION does), so prefilld need not guess it from the code; a
     // failure of the call alone carries none, and the caller names it for what it was doing.
@@ -153,15 +152,13 @@ type BundleStream = Pin<Box<dyn Stream<Item = Result<BundleChunk, Status>> + Sen
 
 #[tonic::async_trait]
 impl CacheStore for CacheStoreService {
-    async fn get_spec(&self, request: Request<GetSpecRequest>) -> Result<Response<CacheSpec>, Status> {
-        self.peers.authenticated(&request).map_err(|e| status_of(&e.into()))?;
+    async fn get_spec(&self, _request: Request<GetSpecRequest>) -> Result<Response<CacheSpec>, Status> {
         Ok(Response::new(self.info()?.spec.clone()))
     }
 
     type GetBundleStream = BundleStream;
 
     async fn get_bundle(&self, request: Request<GetBundleRequest>) -> Result<Response<BundleStream>, Status> {
-        self.peers.authorized(&request).map_err(|e| status_of(&e.into()))?;
         let info = self.info()?;
         Self::check_spec(&info, &request.get_ref().spec_fingerprint)?;
         let mut file = tokio::fs::File::open(&info.bundle_path)
@@ -193,7 +190,6 @@ impl CacheStore for CacheStoreService {
     }
 
     async fn lookup(&self, request: Request<LookupRequest>) -> Result<Response<LookupResponse>, Status> {
-        self.peers.authorized(&request).map_err(|e| status_of(&e.into()))?;
         let info = self.info()?;
         let request = request.into_inner();
         Self::check_spec(&info, &request.spec_fingerprint)?;
@@ -228,7 +224,7 @@ impl CacheStore for CacheStoreService {
 impl CacheStoreService {
     /// One Push stream, its blocks committed as they complete.
     async fn receive_push(&self, request: Request<Streaming<PushFrame>>) -> Result<Response<PushReceipt>, Status> {
-        let peer = self.peers.authorized(&request).map_err(|e| status_of(&e.into()))?;
+        let peer = request.extensions().get::<Caller>().and_then(|caller| caller.0.clone());
         let info = self.info()?;
         let _slot = self
             .push_slots
@@ -314,4 +310,13 @@ async fn receive(frames: &mut Frames, ingest: &mut Ingest) -> Result<Option<Push
 /// INVALID_ARGUMENT for a Push stream that breaks the protocol.
 fn bad_stream(what: &'static str) -> Status {
     status_of(&ServiceError::BadStream(what))
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn every_rpc_says_who_may_call_it() {
+        let missing = pdbridge_common::layers::access::without_rule(super::ACCESS, "pdbridge.v1.CacheStore");
+        assert!(missing.is_empty(), "RPCs with no access rule: {missing:?}");
+    }
 }

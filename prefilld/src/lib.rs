@@ -17,7 +17,7 @@ use pdbridge_common::{
     proto::prefiller_server::PrefillerServer,
     readiness::Readiness,
     telemetry,
-    tls::{Peers, Tls},
+    tls::Tls,
 };
 use std::sync::Arc;
 
@@ -70,6 +70,7 @@ pub async fn serve(listeners: Listeners, config: Config, shutdown: Shutdown) -> 
     register_metrics();
     telemetry::record_insecure(&config.insecure_listeners());
     let tls = config.tls.as_ref().map(Tls::load).transpose()?;
+    telemetry::record_certificate(tls.as_ref());
     let stop = daemon::cancel_on(shutdown);
     let readiness = Readiness::new();
     let default_decoder = config.decoders.first().map(|d| d.addr.clone());
@@ -114,9 +115,8 @@ pub async fn serve(listeners: Listeners, config: Config, shutdown: Shutdown) -> 
             None
         }
     };
-    let peers = tls.as_ref().map_or_else(Peers::open, Tls::peers);
     let addrs = config.decoders.iter().map(|d| d.addr.clone()).collect();
-    let prefiller = PrefillerServer::new(service::PrefillerService::new(bridge, addrs, peers))
+    let prefiller = PrefillerServer::new(service::PrefillerService::new(bridge, addrs))
         .max_decoding_message_size(config.server.http2.max_message_bytes)
         .max_encoding_message_size(config.server.http2.max_message_bytes);
     tracing::info!(
@@ -130,6 +130,7 @@ pub async fn serve(listeners: Listeners, config: Config, shutdown: Shutdown) -> 
         routes: tonic::service::Routes::new(prefiller),
         admin_routes: axum::Router::new(),
         tls,
+        access: service::ACCESS,
     };
     daemon::serve_rpc(rpc, &config.server, &readiness, SERVICES, stop).await?;
     engine_stop.cancel();
@@ -175,7 +176,7 @@ async fn track_readiness(bridge: Arc<Bridge>, decoder: Option<String>, readiness
 
 /// prefilld's metrics, registered at zero (see `telemetry::register_common`).
 fn register_metrics() {
-    telemetry::register_common("vllm", "Prefiller");
+    telemetry::register_common("vllm", SERVICES[0]);
     metrics::describe_counter!("pdbridge_prefill_requests_total", "Prefill requests by outcome and reason.");
     metrics::describe_counter!(
         "pdbridge_plugin_failures_total",

@@ -17,6 +17,18 @@ def decoder_bundle(bundle_dir: Path, model_dir: Path = MLX_DIR) -> tuple[str, st
     return str(engine.bundle_path), engine.bundle_sha256
 
 
+def decoder_spec(bundle_dir: Path, block_tokens: int, kv_bits: int | None = None, model_dir: Path = MLX_DIR) -> dict:
+    """The decoder adapter's spec of the test model (or `model_dir`) in float32, its KV cache
+    quantized to `kv_bits` if given, as proto3 JSON: what prefilld hands the kv route."""
+    import mlx.core as mx
+    from google.protobuf import json_format
+    from pdbridge_mlx.engine import Engine
+
+    engine = Engine(str(model_dir), block_tokens=block_tokens, dtype=mx.float32, bundle_dir=str(bundle_dir),
+                    kv_bits=kv_bits)
+    return json_format.MessageToDict(engine.info().spec, preserving_proto_field_name=True)
+
+
 class CaptureInput:
     """Stands in for one mlx-lm TransformerBlock and records its input (the residual stream)."""
 

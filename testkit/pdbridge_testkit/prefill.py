@@ -129,13 +129,16 @@ class VllmServer:
     """The real OpenAI-compatible vLLM server, started the way prefilld starts it."""
 
     def __init__(self, log_path: Path, dtype: str = "float32", plugin: bool = True,
-                 extra_args: list[str] = (), kv_extra: dict | None = None, pipeline_stages: int = 1):
+                 extra_args: list[str] = (), kv_extra: dict | None = None, pipeline_stages: int = 1,
+                 route: str = "reconstruct"):
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.cmd = [PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(HF_DIR),
                     "--dtype", dtype, "--max-model-len", "8192", "--enforce-eager",
                     "--no-enable-prefix-caching", "--port", str(self.port), *extra_args]
-        if plugin:
+        if plugin and route == "kv":  # vLLM's own K/V: no capture
+            self.cmd += ["--kv-transfer-config", connector_config(**(kv_extra or {}), route="kv")]
+        elif plugin:
             self.cmd += ["--kv-transfer-config", connector_config(**(kv_extra or {}))]
             self.cmd += (["--speculative-config", speculative_config()] if pipeline_stages == 1  # the drafter route
                          else ["--additional-config", json.dumps(models.STAGE_ROUTE)])

@@ -183,7 +183,8 @@ def responses_checks(client: openai.OpenAI, model: str, answer: str, check: Chec
 
 def messages_checks(url: str, api_key: str, model: str, answer: str, check: Check) -> None:
     """Anthropic's Messages API through its own SDK (its `x-api-key` header): the chat's answer,
-    whole and streamed, a stop sequence, usage, and errors as its exception types. The SDK no longer
+    whole and streamed, a stop sequence, usage and token counts, and errors as its exception types and
+    shapes. The SDK no longer
     offers `temperature`; the API's older clients send it, so greedy answers ask for it that way."""
     client = anthropic.Anthropic(base_url=url, api_key=api_key, max_retries=0, timeout=600)
     greedy = {"extra_body": {"temperature": 0}}
@@ -204,6 +205,10 @@ def messages_checks(url: str, api_key: str, model: str, answer: str, check: Chec
     as_chat = openai.OpenAI(base_url=f"{url}/v1", api_key=api_key, max_retries=0).chat.completions.create(
         model=model, messages=[{"role": "system", "content": "Answer in French."}, *CHAT], max_tokens=4)
     check("messages system", system.usage.input_tokens == as_chat.usage.prompt_tokens, (system.usage, as_chat.usage))
+    counted = [client.messages.count_tokens(model=model, messages=CHAT, **extra).input_tokens
+               for extra in ({}, {"system": "Answer in French."})]
+    check("messages count_tokens", counted == [whole.usage.input_tokens, system.usage.input_tokens],
+          (counted, whole.usage, system.usage))
     try:
         client.messages.create(model=model, messages=CHAT, max_tokens=4, extra_body={"top_k": 5})
         check("messages top_k refused", False, "answered")
@@ -214,7 +219,8 @@ def messages_checks(url: str, api_key: str, model: str, answer: str, check: Chec
             model=model, messages=CHAT, max_tokens=4)
         check("messages wrong key", False, "answered")
     except anthropic.AuthenticationError as e:
-        check("messages wrong key", e.status_code == 401, e)
+        check("messages wrong key", e.status_code == 401 and e.body["type"] == "error"
+              and e.body["error"]["type"] == "authentication_error", e)
     try:
         client.messages.create(model="claude-opus", messages=CHAT, max_tokens=4)
         check("messages unknown model", False, "answered")

@@ -12,6 +12,7 @@ use std::{
 
 pub mod hosts;
 pub mod otlp;
+pub mod prometheus;
 
 use tokio::{
     io::{AsyncBufReadExt, BufReader},

@@ -2,9 +2,11 @@
 
 Everything here except `info` and `tokenize` touches MLX and must run on the
 adapter's single model thread (MLX is not thread-safe); the server enforces it.
-Only mlx-lm's public API is used: `load`, `stream_generate`/`generate_step`
-with `prompt_cache=` and `kv_bits=`, `make_prompt_cache`, the cache classes'
-`state`, the tokenizer wrapper, and `mlx.core` ops. What a block holds per
+mlx-lm's API is used: `load`, `stream_generate`/`generate_step` with
+`prompt_cache=` and `kv_bits=`, `make_prompt_cache`, the cache classes' `state`,
+the tokenizer wrapper, and `mlx.core` ops; beyond it only what mlx-lm's own
+server uses from `mlx_lm.generate` (`BatchGenerator`, `TextStateMachine`), on
+the pinned mlx-lm. What a block holds per
 cache class, and how a cache is rebuilt from blocks, is `pdbridge_cache.kinds`
 (shared with the prefill plugin).
 """
@@ -178,7 +180,9 @@ class Engine:
             "max_context": int(text.get("max_position_embeddings") or 0),
             "block_tokens": self.block_tokens,
             "layers": layers,
-            "decoder_code": {"model_type": str(cfg["model_type"]), **versions()},
+            # The device too: MLX's CPU and GPU kernels round a quantized KV cache differently.
+            "decoder_code": {"model_type": str(cfg["model_type"]), **versions(),
+                             "device": mx.default_device().type.name},
             # A layer's input is cast to it before its cache path: layer inputs travel in it.
             "input_dtype": proto_dtype(dtype_name(dtype)),
         }

@@ -593,7 +593,8 @@ class RealCheckpointTest(unittest.TestCase):
         import mlx.core as mx
         import mlx_lm
 
-        self.assertEqual(spec["decoder_code"], {"model_type": "llama", "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__})
+        self.assertEqual(spec["decoder_code"], {"model_type": "llama", "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__,
+                                                "device": mx.default_device().type.name})
 
     def test_bundle_holds_what_the_decoders_cache_depends_on(self):
         import mlx.core as mx

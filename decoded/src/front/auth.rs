@@ -4,15 +4,13 @@
 use std::{collections::HashSet, sync::Arc};
 
 use axum::{
-    Json,
     extract::State,
-    http::{HeaderMap, StatusCode, header},
+    http::{HeaderMap, header},
     response::{IntoResponse, Response},
 };
-use serde_json::json;
 use sha2::{Digest, Sha256};
 
-use super::verdict::metric;
+use super::{error::FrontError, verdict::metric};
 use crate::config::ApiKey;
 
 /// The configured keys, kept as digests so a comparison's timing says nothing
@@ -42,7 +40,8 @@ impl ApiKeys {
     }
 }
 
-/// Middleware: OpenAI's answer to a missing or wrong key is 401, `invalid_api_key`.
+/// Middleware: a missing or wrong key is a 401 in the API's own shape: OpenAI's
+/// `invalid_api_key`, or Anthropic's `authentication_error` on its Messages API.
 pub async fn require_api_key(
     State(keys): State<ApiKeys>,
     request: axum::extract::Request,
@@ -52,7 +51,8 @@ pub async fn require_api_key(
         return next.run(request).await;
     }
     metrics::counter!(metric::UNAUTHORIZED).increment(1);
-    let message = "missing or incorrect API key: send `Authorization: Bearer <key>` (or `x-api-key: <key>`) with a key from front.api_keys";
-    let body = json!({"error": {"message": message, "type": "invalid_request_error", "code": "invalid_api_key"}});
-    (StatusCode::UNAUTHORIZED, Json(body)).into_response()
+    match request.uri().path().starts_with("/v1/messages") {
+        true => FrontError::Unauthorized.into_anthropic_response(),
+        false => FrontError::Unauthorized.into_response(),
+    }
 }

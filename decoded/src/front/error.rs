@@ -19,6 +19,11 @@ use crate::{engine::EngineError, openai};
 pub enum FrontError {
     #[error("{0}")]
     BadRequest(String),
+    #[error(
+        "missing or incorrect API key: send `Authorization: Bearer <key>` (or `x-api-key: <key>`) with a key from \
+         front.api_keys"
+    )]
+    Unauthorized,
     #[error("{0}")]
     ContextLength(String),
     #[error("the model `{0}` does not exist; this server serves `{1}`")]
@@ -68,6 +73,7 @@ impl FrontError {
     fn shape(&self) -> (StatusCode, &'static str, Option<&'static str>) {
         match self {
             FrontError::BadRequest(_) => (StatusCode::BAD_REQUEST, "invalid_request_error", None),
+            FrontError::Unauthorized => (StatusCode::UNAUTHORIZED, "invalid_request_error", Some("invalid_api_key")),
             FrontError::ContextLength(_) => {
                 (StatusCode::BAD_REQUEST, "invalid_request_error", Some("context_length_exceeded"))
             }

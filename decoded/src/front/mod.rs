@@ -34,7 +34,7 @@ use axum::{
     Json, Router,
     extract::State,
     http::HeaderMap,
-    response::Response,
+    response::{IntoResponse, Response},
     routing::{get, post},
 };
 use pdbridge_common::{telemetry, tls::Tls, traces};
@@ -123,16 +123,18 @@ pub fn router(
     let config = Arc::new(config);
     let bridges = Bridges::default();
     let state = Front { engine, store, config, prefiller, peers, costs, bridges, admission };
-    Router::new()
+    let routes = Router::new()
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
         .route("/v1/responses", post(responses))
         .route("/v1/messages", post(messages))
+        .route("/v1/messages/count_tokens", post(count_tokens))
         .route("/v1/models", get(models))
         .route("/pd/v1/tokenize", post(tokenize))
         .with_state(state)
         .layer(axum::extract::DefaultBodyLimit::max(max_body_bytes))
-        .layer(axum::middleware::from_fn_with_state(auth::ApiKeys::new(api_keys), auth::require_api_key))
+        .layer(axum::middleware::from_fn_with_state(auth::ApiKeys::new(api_keys), auth::require_api_key));
+    pdbridge_common::layers::front(routes)
 }
 
 /// Unusable store blocks one request may quarantine before it fails.
@@ -196,6 +198,25 @@ async fn messages(State(front): State<Front>, headers: HeaderMap, body: Result<B
     answered.await.unwrap_or_else(FrontError::into_anthropic_response)
 }
 
+/// Anthropic's token count of a Messages request: its chat through the decoder's own tokenizer and
+/// chat template, as the answer's `usage.input_tokens` counts it.
+async fn count_tokens(State(front): State<Front>, body: Result<Body, FrontError>) -> Response {
+    let counted = async {
+        let Body(mut sent) = body?;
+        front.check_model(&sent)?;
+        // Counting asks for no answer, so it names no `max_tokens`; the chat it makes needs one.
+        if let Some(fields) = sent.as_object_mut() {
+            fields.entry("max_tokens").or_insert(json!(1));
+        }
+        let chat = dialects::messages::chat_request(&sent)?;
+        let messages = openai::chat_messages(&chat)?;
+        let engine = front.engine.as_ref().ok_or(FrontError::EngineUnavailable)?;
+        let tokens = engine.tokenize(chat_input(&front.config, &messages, openai::tools(&chat)?)).await?;
+        Ok(Json(json!({"input_tokens": tokens.len()})).into_response())
+    };
+    counted.await.unwrap_or_else(FrontError::into_anthropic_response)
+}
+
 /// A chat as this front door has the decoder tokenize it (the native and the bridged answer both
 /// start from these tokens).
 fn chat_input<'a>(config: &FrontConfig, messages: &'a Value, tools: Option<&'a Value>) -> TokenizeInput<'a> {
@@ -236,6 +257,14 @@ impl Front {
         self.complete(headers, body, chat_input(&self.config, &messages, tools), api).await
     }
 
+    /// A client asking for another model must not be answered by this one.
+    fn check_model(&self, body: &Value) -> Result<(), FrontError> {
+        match body.get("model").and_then(Value::as_str).filter(|m| *m != self.config.model_name) {
+            Some(asked) => Err(FrontError::ModelNotFound(asked.to_owned(), self.config.model_name.clone())),
+            None => Ok(()),
+        }
+    }
+
     /// Admits a request (or answers 429) and serves it within
     /// `front.request_timeout` (or answers 504; dropping the unfinished work
     /// cancels its bridge and its generation).
@@ -246,10 +275,7 @@ impl Front {
         input: TokenizeInput<'_>,
         api: Api<'_>,
     ) -> Result<Response, FrontError> {
-        // A client asking for another model must not be answered by this one.
-        if let Some(asked) = body.get("model").and_then(Value::as_str).filter(|m| *m != self.config.model_name) {
-            return Err(FrontError::ModelNotFound(asked.to_owned(), self.config.model_name.clone()));
-        }
+        self.check_model(body)?;
         let admitted = self
             .admission
             .clone()

@@ -141,6 +141,7 @@ impl Front {
         (verdict.blocks, verdict.bytes) = (report.blocks, report.bytes);
         (verdict.prefillers, verdict.detail) = (report.prefillers, report.detail);
         if let Ok((_, outcome)) = ended.last {
+            verdict.route = Some(outcome.route().label()).filter(|label| !label.is_empty());
             for (stage, value) in outcome.stage_ms {
                 verdict.timings_ms.insert(format!("prefill_{stage}"), value);
             }

@@ -56,6 +56,10 @@ pub struct Verdict {
     pub blocks: u32,
     pub block_tokens: u32,
     pub bytes: u64,
+    /// How the prefiller made what it pushed: `kv` (vLLM's own K/V), `reconstruct` (the decoder's
+    /// modules over captured layer inputs) or `exact` (the inputs; the decoder computed the cache).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub route: Option<&'static str>,
     /// The prefilld instances that worked on this request's bridge, in order (more than one when
     /// one failed mid-way and another took the rest).
     #[serde(skip_serializing_if = "Vec::is_empty")]
@@ -90,6 +94,7 @@ impl Plan {
             blocks: 0,
             block_tokens: b as u32,
             bytes: 0,
+            route: None,
             prefillers: Vec::new(),
             prediction_ms: None,
             timings_ms: BTreeMap::new(),

@@ -9,7 +9,9 @@ bounded in bytes: when prefilld or MLX falls behind, the step loop waits (backpr
 holding the whole prompt's hidden states in memory.
 
 MLX work stays on the one reconstruction thread (bundle loads included), which also keeps MLX's
-per-thread stream state in one place. A request's messages leave in the order they were queued.
+per-thread stream state in one place. The kv route's blocks arrive laid out (`kv_worker.py`): the
+thread only waits for their copy to pinned memory, and never imports MLX. A request's messages
+leave in the order they were queued.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ logger = logging.getLogger("vllm.pdbridge_vllm")
 CACHE, LAYER_INPUTS = "cache", "layer_inputs"
 # The stages a request's `done` reports the time of (`RequestStream.ms`; `PluginTimings` has a
 # "<stage>_ms" field for each).
-STAGES = ("capture", "to_mlx", "reconstruct", "to_host", "send")
+STAGES = ("capture", "to_mlx", "reconstruct", "to_host", "send", "ring_wait")
 
 
 @dataclass
@@ -66,6 +68,10 @@ class BridgeParams:
     payload: str = CACHE
     # prefilld's span of the request when it is traced (W3C traceparent), else "".
     traceparent: str = ""
+    # How the blocks are made (`bridge_pb2.Route`; unset: reconstructed), and for the kv route the
+    # decoder's spec, whose layers' tensors the blocks hold.
+    route: int = bridge_pb2.ROUTE_UNSPECIFIED
+    spec: Any = None
 
     @classmethod
     def parse(cls, raw: Any) -> BridgeParams:
@@ -80,7 +86,7 @@ class BridgeParams:
                 num_blocks=m.num_blocks, tail_tokens=m.tail_tokens,
                 from_block=m.from_block if m.HasField("from_block") else m.first_block,
                 payload=LAYER_INPUTS if m.payload == bridge_pb2.PAYLOAD_LAYER_INPUTS else CACHE,
-                traceparent=m.traceparent)
+                traceparent=m.traceparent, route=m.route, spec=m.spec if m.HasField("spec") else None)
         if not (p.request_id and p.socket and p.bundle_path):
             raise ValueError("request_id, socket and bundle_path are required")
         if p.block_tokens <= 0:
@@ -196,6 +202,14 @@ class Streamer:
                   else hidden.numel() * hidden.element_size())
         self._put(("blocks", stream, (first_index, hidden, ready_event(hidden), tail)), nbytes)
 
+    def submit_laid_out(self, stream: RequestStream, first_index: int, tensors: list, payload, event,
+                        tail: bool = False, release=None) -> None:
+        """Consecutive blocks already laid out as the decoder's (the kv route): `payload` a uint8
+        torch tensor [blocks, bytes] on the host, which a GPU copy still fills until `event` (None:
+        ready); each block's frame names `tensors`; `release` (if any) is called once the payload's
+        bytes are no longer needed (sent, or dropped). Waits while the queue is over budget."""
+        self._put(("laid_out", stream, (first_index, tensors, payload, event, tail, release)), payload.numel())
+
     def submit_done(self, stream: RequestStream, num_tokens: int) -> None:
         self._put(("done", stream, num_tokens))
 
@@ -234,13 +248,17 @@ class Streamer:
                 self._queue.release(nbytes)
 
     def _handle(self, kind: str, stream: RequestStream, arg) -> None:
-        if stream.closed:
-            return  # the request already failed; drop its remaining work
+        if stream.closed:  # the request already failed; drop its remaining work
+            if kind == "laid_out" and arg[-1] is not None:
+                arg[-1]()
+            return
         try:
             if kind == "start":
                 self._bundle(stream)
             elif kind == "blocks":
                 self._emit_blocks(stream, *arg)
+            elif kind == "laid_out":
+                self._emit_laid_out(stream, *arg)
             elif kind == "done":
                 self._emit_done(stream, arg)
             elif kind == "error":
@@ -371,9 +389,29 @@ class Streamer:
 
         with _clock(stream, "to_host", block=block_index):
             tensors, payload = reconstruct.wire(rows, self._handoff_for())
+        self._send_frame_block(stream, block_index, tensors, payload, tail)
+
+    def _emit_laid_out(self, stream: RequestStream, first_index: int, tensors: list, payload, event,
+                       tail: bool, release) -> None:
+        try:
+            if event is not None:
+                with _clock(stream, "to_host", block=first_index):
+                    event.synchronize()
+            for k in range(payload.shape[0]):
+                view = memoryview(payload[k].numpy()).cast("B")
+                last = k == payload.shape[0] - 1  # the sender sends in order: the last frame frees all
+                self._send_frame_block(stream, first_index + k, tensors, [view], tail,
+                                       on_sent=release if last else None)
+            release = None
+        finally:
+            if release is not None:  # not handed to the sender
+                release()
+
+    def _send_frame_block(self, stream: RequestStream, block_index: int, tensors: list, payload: list,
+                          tail: bool, on_sent=None) -> None:
         block = engine_pb2.PluginBlock(index=block_index, payload_bytes=sum(t.nbytes for t in tensors),
                                        tensors=tensors)
-        self._send(stream, self._frame(stream, block=block), payload)
+        self._send(stream, self._frame(stream, block=block), payload, on_sent)
         stream.blocks_emitted += not tail  # the tail is not one of the request's blocks
 
     def _emit_done(self, stream: RequestStream, num_tokens: int) -> None:
@@ -396,12 +434,13 @@ class Streamer:
         stage, stages = self._stage or (0, 0)
         return engine_pb2.PluginFrame(request_id=stream.params.request_id, stage=stage, stages=stages, **frame)
 
-    def _send(self, stream: RequestStream, frame: engine_pb2.PluginFrame | None, payload=()) -> None:
+    def _send(self, stream: RequestStream, frame: engine_pb2.PluginFrame | None, payload=(), on_sent=None) -> None:
         """Queues a frame (None: close the stream) for the sender thread; the closing one marks
-        the stream closed at once, so no later work for it is queued."""
+        the stream closed at once, so no later work for it is queued. `on_sent` is called once the
+        sender is done with the frame (sent or dropped)."""
         if frame is None:
             stream.closed = True
-        self._outbox.put((stream, frame, payload), sum(len(p) for p in payload))
+        self._outbox.put((stream, frame, payload, on_sent), sum(len(p) for p in payload))
 
     def _bundle_file(self, p: BridgeParams) -> str:
         """Where the request's bundle is on this box: prefilld's path on its own box; on another,
@@ -420,7 +459,7 @@ class Streamer:
             try:
                 if item is None:
                     return
-                stream, frame, payload = item
+                stream, frame, payload, _ = item
                 if frame is None:
                     self._close(stream)
                 elif stream.sock is not False:  # False: its connection failed; drop the rest
@@ -429,6 +468,8 @@ class Streamer:
                             **{f"{stage}_ms": round(ms, 3) for stage, ms in stream.ms.items()}))
                     self._write(stream, frame, payload)
             finally:
+                if item is not None and item[3] is not None:  # the frame's bytes are free
+                    item[3]()
                 self._outbox.release(nbytes)
 
     def _write(self, stream: RequestStream, frame: engine_pb2.PluginFrame, payload) -> None:

@@ -12,6 +12,8 @@ test makes every request it asserts on: tests pass in any order and alone (``-k 
   step) beside it, compared with this one.
 - `Bfloat16Test`, `PipelineTest`: servers of their own, started inside the test (unittest tears a
   class down before it sets the next one up).
+- `KvRouteTest`: a server started for the kv route (no capture), 128-token steps: the decoder's
+  cache from vLLM's own K/V, plain and quantized as MLX quantizes.
 
 Run (no pytest in the venv; unittest works, and so does pytest where installed):
 
@@ -34,11 +36,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
+import mlx.core as mx
 import numpy as np
 
 from pdbridge_cache.proto import bridge_pb2, engine_pb2
 from pdbridge_testkit import NUM_LAYERS
-from pdbridge_testkit.decoder import decoder_bundle, decoder_native_cache
+from pdbridge_testkit.decoder import decoder_bundle, decoder_native_cache, decoder_spec
 from pdbridge_testkit.prefill import Receiver, VllmServer, kind, prompt_tokens, timings
 from pdbridge_vllm import protocol
 
@@ -261,6 +264,70 @@ class BridgeCase(unittest.TestCase):
                                 f"{max(c['max_rel'] for c in cs):.2e}")
                 print(f"{layer:5d} | {cols[0]:>30} | {cols[1]:>30}")
         return {h.block.index: (h, p) for h, p in blocks}
+
+
+class KvRouteTest(BridgeCase):
+    """One float32 server started for the kv route (no drafter; the connector reads vLLM's paged
+    K/V) with a 128-token step budget, so blocks straddle steps."""
+
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        cls.plain = decoder_spec(cls.tmp, B)
+        cls.quantized = decoder_spec(cls.tmp, B, kv_bits=4)
+        cls.server = cls.start_server("vllm-kv.log", extra_args=CHUNKED_ARGS, route="kv")
+        cls.addClassCleanup(cls.server.stop)
+
+    def test_vllms_own_kv_is_the_decoders_cache(self):
+        """Blocks 1..3 and the tail: vLLM's own keys and values (no capture), within REL_BOUND of
+        the decoder's native cache; no bundle is read (the kv route runs no decoder code)."""
+        tail = T - 4 * B - 1
+        r = self.bridge(self.server, "kv-plain", first_block=1, num_blocks=3, tail_tokens=tail,
+                        route="ROUTE_KV", spec=self.plain, bundle_path="/nonexistent")
+        self.assert_done(r, num_blocks=3)
+        blocks = [(ts, h, p) for ts, h, p in r.msgs if kind(h) == "block"]
+        self.check_blocks(blocks[:3], 1, 3, f"kv route, chunk {CHUNK}")
+        frame, payload = blocks[3][1], blocks[3][2]
+        self.assertEqual(frame.block.index, 4)
+        for (layer, name), arr in tensors_of(frame, payload).items():
+            ref = FX.native[layer][0 if name == "keys" else 1][:, :, 4 * B:4 * B + tail, :]
+            self.assertLess(compare(arr, ref)["max_rel"], REL_BOUND, f"tail layer {layer} {name}")
+        print(f"[kv-plain] plugin timings {timings(r.final)}")
+
+    def test_a_quantized_decoder_gets_mlxs_quantization_of_the_same_rows(self):
+        """A decoder with 4-bit KV: each layer's codes, scales and biases as mx.quantize makes them
+        from the decoder's native rows, but where a code sits on a rounding edge (the rows agree
+        to REL_BOUND, not bit for bit)."""
+        r = self.bridge(self.server, "kv-q4", route="ROUTE_KV", spec=self.quantized)
+        self.assert_done(r)
+        words = same = 0
+        for _, h, payload in r.msgs[:-1]:
+            b = h.block.index
+            at = {(t.layer, t.name): t for t in h.block.tensors}
+            for layer in range(NUM_LAYERS):
+                for k, name in enumerate(("keys", "values")):
+                    want = mx.quantize(mx.array(FX.native[layer][k][:, :, b * B:(b + 1) * B, :]), group_size=64, bits=4)
+                    for got_t, want_a, dtype in zip((at[layer, name], at[layer, f"{name}_scales"],
+                                                     at[layer, f"{name}_biases"]), want, ("<u4", "<f4", "<f4")):
+                        got = np.frombuffer(payload, dtype=dtype, count=got_t.nbytes // 4, offset=got_t.offset)
+                        self.assertEqual(list(got_t.shape), list(want_a.shape))
+                        if dtype == "<u4":
+                            words += got.size
+                            same += int((got == np.array(want_a).ravel()).sum())
+                        else:
+                            self.assertLess(compare(got, np.array(want_a).ravel())["max_rel"], 1e-3)
+        print(f"[kv-q4] code words equal to mx.quantize of the native rows: {same}/{words}")
+        self.assertGreater(same / words, 0.999)
+
+    def test_requests_it_cannot_serve_fail_with_the_reason(self):
+        """Without the decoder's spec, or asking for the capture, a kv route engine fails the
+        request, naming why, and serves the next."""
+        for name, over in (("kv-nospec", {"route": "ROUTE_KV"}), ("kv-capture", {})):
+            r = self.bridge(self.server, name, **over)
+            self.assertEqual(kind(r.final), "error", r.final)
+            self.assertEqual(r.final.error.failure, engine_pb2.PLUGIN_FAILURE_BUNDLE_MISMATCH)
+            self.assertIn("kv route", r.final.error.message)
+        self.assert_done(self.bridge(self.server, "kv-after", route="ROUTE_KV", spec=self.plain))
 
 
 class ChunkedServerTest(BridgeCase):

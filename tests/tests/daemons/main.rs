@@ -5,4 +5,5 @@
 mod foundation;
 mod ops;
 mod push;
+mod rpc_metrics;
 mod security;

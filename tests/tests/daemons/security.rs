@@ -110,8 +110,13 @@ async fn only_the_configured_prefiller_may_write_or_read_the_decoders_cache() {
     assert!(err.message().contains("outside the vocabulary"), "{}", err.message());
     let receipt = push(&mut client, poison()).await.unwrap();
     assert_eq!(receipt.blocks_committed, 1, "{}", receipt.detail);
-    let refusals = decoded.metric("pdbridge_grpc_errors_total{service=\"CacheStore\",code=\"PermissionDenied\"}").await;
-    assert_eq!(refusals, Some(3.0));
+    for (rpc, kind) in [("Push", "client_stream"), ("Lookup", "unary"), ("GetBundle", "server_stream")] {
+        let refusals = format!(
+            "grpc_server_handled_total{{grpc_service=\"pdbridge.v1.CacheStore\",grpc_method=\"{rpc}\",\
+             grpc_type=\"{kind}\",grpc_code=\"PermissionDenied\"}}"
+        );
+        assert_eq!(decoded.metric(&refusals).await, Some(1.0), "{refusals}");
+    }
 }
 
 #[tokio::test]
@@ -144,6 +149,14 @@ async fn only_configured_decoders_may_start_a_prefill_and_only_to_themselves() {
     // Authorized and pointing at itself: past every check, to the engine (none here).
     assert_eq!(call(decoder_channel.clone(), decoder).await.code(), Code::Unavailable);
     assert_eq!(call(decoder_channel, "").await.code(), Code::Unavailable);
+    // Each counted under the code it got, whether the access rules or the handler refused it.
+    for (code, count) in [("Unauthenticated", 1.0), ("PermissionDenied", 2.0), ("Unavailable", 2.0)] {
+        let series = format!(
+            "grpc_server_handled_total{{grpc_service=\"pdbridge.v1.Prefiller\",grpc_method=\"Prefill\",\
+             grpc_type=\"server_stream\",grpc_code=\"{code}\"}}"
+        );
+        prefilld.wait_metric_where(&series, &format!("{count}"), |v| v == count, Duration::from_secs(10)).await;
+    }
 }
 
 #[tokio::test]
@@ -183,6 +196,19 @@ async fn the_front_door_wants_an_api_key_when_configured() {
         request.send()
     };
     assert_eq!(tokenize(None).await.unwrap().status().as_u16(), 401);
+    // On Anthropic's Messages API the refusal is in Anthropic's shape, which its SDK reads.
+    for path in ["/v1/messages", "/v1/messages/count_tokens"] {
+        let response =
+            client.post(format!("{base}{path}")).header("x-api-key", "sk-wrong").json(&serde_json::json!({}));
+        let response = response.send().await.unwrap();
+        assert_eq!(response.status().as_u16(), 401, "{path}");
+        let body: Value = response.json().await.unwrap();
+        assert_eq!(
+            (&body["type"], &body["error"]["type"]),
+            (&"error".into(), &"authentication_error".into()),
+            "{body}"
+        );
+    }
     assert_eq!(tokenize(Some(env_key)).await.unwrap().status().as_u16(), 503);
     // Bodies beyond front.max_body_bytes: 413 in OpenAI's error shape.
     let huge = serde_json::json!({"messages": [{"role": "user", "content": "x".repeat(8192)}]});
@@ -191,7 +217,7 @@ async fn the_front_door_wants_an_api_key_when_configured() {
     assert_eq!(response.status().as_u16(), 413);
     let body: Value = response.json().await.unwrap();
     assert_eq!(body["error"]["type"], "invalid_request_error", "{body}");
-    decoded.wait_metric("pdbridge_front_unauthorized_total", 4.0, Duration::from_secs(10)).await;
+    decoded.wait_metric("pdbridge_front_unauthorized_total", 6.0, Duration::from_secs(10)).await;
     assert!(!decoded.log_text().contains("sk-from"), "a key reached the log");
 }
 

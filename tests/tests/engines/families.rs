@@ -75,44 +75,63 @@ impl Case {
 /// prefilld and decoded on `case`'s checkpoint; a cold prompt bridged, then served natively: the
 /// same greedy answer. prefilld may also push to the decoder at `also`.
 async fn bridges_as_the_decoder_answers(case: Case, scratch: &Scratch, also: Option<&Reserved>) -> Daemon {
-    let Case { name, engines, engine_env, block_tokens, prompt, min_blocks } = case;
     let port = Reserved::new();
-    let addrs: Vec<String> =
-        std::iter::once(port.addr()).chain(also.map(Reserved::addr)).map(|addr| format!("http://{addr}")).collect();
-    let prefilld = Daemon::start(
+    let prefilld =
+        start_prefilld(&case, scratch, "", &[Some(&port), also].into_iter().flatten().collect::<Vec<_>>()).await;
+    let verdict = decoder_answers_as_natively(&case, &prefilld, port, scratch).await;
+    assert_eq!(verdict["route"], "reconstruct", "{}: {verdict}", case.name);
+    prefilld
+}
+
+/// prefilld on `case`'s checkpoint, its `[engine]` keys `engine_keys`, pushing to the decoders at
+/// `decoders` (the first must come up for it to be ready).
+async fn start_prefilld(case: &Case, scratch: &Scratch, engine_keys: &str, decoders_at: &[&Reserved]) -> Daemon {
+    let addrs: Vec<String> = decoders_at.iter().map(|port| format!("http://{}", port.addr())).collect();
+    Daemon::start(
         "prefilld",
-        &engines.prefilld_config_with(&scratch.0.join(name), "", &engine_env, &decoders(&addrs)),
+        &case.engines.prefilld_config_with(
+            &scratch.0.join(case.name),
+            engine_keys,
+            &case.engine_env,
+            &decoders(&addrs),
+        ),
     )
-    .await;
+    .await
+}
+
+/// A decoder of `case`'s checkpoint on `port` behind `prefilld`: a cold prompt bridged, then served
+/// natively: the same greedy answer. Returns the bridged answer's verdict.
+async fn decoder_answers_as_natively(case: &Case, prefilld: &Daemon, port: Reserved, scratch: &Scratch) -> Value {
+    let Case { name, engines, engine_env, block_tokens, prompt, min_blocks } = case;
     let decoder_env = if engine_env.is_empty() { String::new() } else { format!("[engine.env]\n{engine_env}") };
     let extra = format!(
         "{decoder_env}\n[front]\nlisten = \"127.0.0.1:0\"\nprefilld = \"http://{}\"\nmin_bridge_tokens = {block_tokens}\n",
         prefilld.grpc
     );
-    let store = scratch.0.join(format!("{name}-store"));
+    let store = scratch.0.join(format!("{name}-store-{}", port.addr().port()));
     let mut decoded =
-        Daemon::start("decoded", &port.release_into(&engines.decoded_config(&store, block_tokens, &extra))).await;
+        Daemon::start("decoded", &port.release_into(&engines.decoded_config(&store, *block_tokens, &extra))).await;
     decoded.wait_ready(Duration::from_secs(300)).await;
     prefilld.wait_ready(Duration::from_secs(900)).await;
 
     let bridged = prompt.ask(&decoded, "auto").await;
     assert_eq!(bridged.status, 200, "{name}: {:?}", bridged.body);
     assert_eq!(bridged.verdict["outcome"], "bridged", "{name}: {}", bridged.verdict);
-    let blocks = bridged.prompt_tokens() / u64::from(block_tokens);
+    let blocks = bridged.prompt_tokens() / u64::from(*block_tokens);
     // Every whole block and the tail after them: the decoder computes one prompt token. A
     // pooled cache (DeepSeek-V4.1) stores whole blocks only, of all but the last token.
-    let cached = match name {
+    let cached = match *name {
         "deepseek_v41" | "deepseek_v41_flash" => {
-            (bridged.prompt_tokens() - 1) / u64::from(block_tokens) * u64::from(block_tokens)
+            (bridged.prompt_tokens() - 1) / u64::from(*block_tokens) * u64::from(*block_tokens)
         }
         _ => bridged.prompt_tokens() - 1,
     };
-    assert!(blocks >= min_blocks && bridged.cached_tokens() == cached, "{name}: {}", bridged.verdict);
+    assert!(blocks >= *min_blocks && bridged.cached_tokens() == cached, "{name}: {}", bridged.verdict);
     let native = prompt.ask(&decoded, "native").await;
     assert_eq!(native.cached_tokens(), 0);
     assert!(!native.text().is_empty());
     assert_eq!(native.text(), bridged.text(), "{name}: bridged and native greedy answers differ");
-    if let (Prompt::Chat(messages), "qwen3_next") = (&prompt, name) {
+    if let (Prompt::Chat(messages), "qwen3_next") = (prompt, *name) {
         // The next turn extends the conversation: its first blocks, recurrent states included,
         // come from the store; the rest is bridged (prefilld's plugin runs the known blocks only
         // to carry the state to the new ones) and the answer is the native one.
@@ -123,14 +142,14 @@ async fn bridges_as_the_decoder_answers(case: Case, scratch: &Scratch, also: Opt
         let next = chat(&decoded, &turn, "auto").await;
         assert_eq!(next.status, 200, "{:?}", next.body);
         let bridged_now = next.verdict["blocks"].as_u64().unwrap();
-        let whole = (next.prompt_tokens() - 1) / u64::from(block_tokens);
+        let whole = (next.prompt_tokens() - 1) / u64::from(*block_tokens);
         assert!(bridged_now > 0 && bridged_now < whole, "{}", next.verdict);
         assert_eq!(next.cached_tokens(), next.prompt_tokens() - 1, "{}", next.verdict);
         assert_eq!(next.text(), chat(&decoded, &turn, "native").await.text(), "follow-up turn differs");
     }
     decoded.terminate();
     decoded.wait(Duration::from_secs(60)).await;
-    prefilld
+    bridged.verdict
 }
 
 #[tokio::test]
@@ -188,6 +207,42 @@ async fn families_bridge_as_their_decoder_answers() {
 async fn deepseek_v41_windows_and_pools_bridge_as_the_decoder_answers() {
     let scratch = Scratch::new("families-v41");
     let mut prefilld = bridges_as_the_decoder_answers(Case::family("deepseek_v41_flash"), &scratch, None).await;
+    prefilld.terminate();
+    prefilld.wait(Duration::from_secs(120)).await;
+}
+
+/// The kv route (`engine.route = "kv"`: vLLM runs no capture; the plugin lays vLLM's own K/V out
+/// as the decoder's cache, no MLX on the prefill side) on the real Gemma 3 270M: its global layers'
+/// KVCache beside 512-token sliding windows (RotatingKVCache, whose rows are read as vLLM writes
+/// them, before it frees a window's blocks) bridge, and the decoder answers as it does natively; a
+/// decoder asking for layer inputs (the exact route needs the capture) is served natively with the
+/// reason. (mlx-lm quantizes no sliding window: the quantized cache's kv route is held to
+/// `mx.quantize` tensor by tensor in the plugin's suite, `KvRouteTest`.)
+#[tokio::test]
+async fn the_kv_route_bridges_plain_and_windowed_caches() {
+    let scratch = Scratch::new("families-kv");
+    let case = Case::gemma3_270m();
+    // The exact decoder first: prefilld is ready while its first decoder answers.
+    let (exact, plain) = (Reserved::new(), Reserved::new());
+    let mut prefilld = start_prefilld(&case, &scratch, "route = \"kv\"\n", &[&exact, &plain]).await;
+    let extra = format!(
+        "[engine.env]\n{}\n[front]\nlisten = \"127.0.0.1:0\"\nprefilld = \"http://{}\"\nmin_bridge_tokens = 512\n\
+         reconstruct_on = \"decoder\"\n",
+        case.engine_env, prefilld.grpc
+    );
+    let store = scratch.0.join("exact-store");
+    let decoded =
+        Daemon::start("decoded", &exact.release_into(&case.engines.decoded_config(&store, 512, &extra))).await;
+    decoded.wait_ready(Duration::from_secs(300)).await;
+    prefilld.wait_ready(Duration::from_secs(900)).await;
+    let answer = case.prompt.ask(&decoded, "auto").await;
+    assert_eq!(answer.status, 200, "{:?}", answer.body);
+    let v = &answer.verdict;
+    assert_eq!((v["outcome"].as_str(), v["reason"].as_str()), (Some("native"), Some("unsupported_model")), "{v}");
+    assert!(v["detail"].as_str().unwrap_or_default().contains("kv route"), "{v}");
+
+    let verdict = decoder_answers_as_natively(&case, &prefilld, plain, &scratch).await;
+    assert_eq!(verdict["route"], "kv", "{verdict}");
     prefilld.terminate();
     prefilld.wait(Duration::from_secs(120)).await;
 }

@@ -11,9 +11,10 @@ use serde_json::{Value, json};
 
 /// Greedy decoding continues this for far longer than any deadline below.
 const ENDLESS: &str = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,";
-/// Long enough for any short request on a busy CI machine, far shorter than
-/// an endless generation (thousands of tokens at ~10 tokens/s).
-const REQUEST_TIMEOUT_S: u64 = 15;
+/// Long enough for any short request on a busy CI machine once the engine is warm (its first
+/// answer reads the weights), far shorter than an endless generation (thousands of tokens at
+/// ~10 tokens/s).
+const REQUEST_TIMEOUT_S: u64 = 25;
 
 /// decoded with its real engine, a store under `scratch`, blocks of 32 and
 /// `front` (more `[front]` keys); ready.
@@ -45,6 +46,9 @@ async fn admission_deadline_and_cancellation() {
     let url = format!("http://{}/v1/completions", decoded.front.unwrap());
     let client = reqwest::Client::new();
     let short = || client.post(&url).json(&completion("The capital of France is", 2, false)).send();
+    // A warm engine first: the load below is what is tested, not the first answer's page faults.
+    let warm = client.post(&url).json(&completion(ENDLESS, 1, false)).send().await.unwrap();
+    assert_eq!(warm.status().as_u16(), 200, "{:?}", warm.text().await);
 
     // A streamed answer holds the one admission slot while it streams.
     let mut endless = client.post(&url).json(&completion(ENDLESS, 4000, true)).send().await.unwrap();
@@ -319,7 +323,7 @@ async fn weighs_bridges_by_cost(client: &reqwest::Client, url: &str) {
 #[tokio::test]
 async fn the_official_sdks_are_answered_as_their_apis_answer() {
     let said = sdk_checks(Engines::family("llama3"), "", "chat,responses,messages").await;
-    assert_eq!(said.lines().filter(|l| l.starts_with("ok ")).count(), 32, "{said}");
+    assert_eq!(said.lines().filter(|l| l.starts_with("ok ")).count(), 33, "{said}");
 }
 
 /// Tool calls SmolLM2 makes, through the SDKs: parsed, never shown as text, in chat (streamed),

@@ -10,6 +10,10 @@ use pdbridge_tests::{Daemon, Engines, Pki, Reserved, Scratch, binary, decoders, 
 use crate::answers::{chat, chat_at, chat_url, native_text, native_text_over, shared_prompt, user};
 
 const BLOCK_TOKENS: u32 = 64;
+/// On a busy two-core machine a bridge here can take minutes (two vLLM processes' first forward, an
+/// emulated slow link); what these tests are about is not the default prefill deadline (bridge.rs
+/// tests that).
+const BUSY_MACHINE_DEADLINE: &str = "prefill_deadline_base = \"600s\"\n";
 
 #[tokio::test]
 async fn bridges_spread_over_prefillers_and_survive_one_dying_mid_bridge() {
@@ -21,17 +25,22 @@ async fn bridges_spread_over_prefillers_and_survive_one_dying_mid_bridge() {
     // still mid-bridge when it is killed below, however fast this machine prefills.
     let slow_link = format!("{decoder}[stream]\nlink_gbps = 0.01\n");
     let a = Daemon::start("prefilld", &engines.prefilld_config(&scratch.0.join("a"), &slow_link)).await;
-    let b = Daemon::start("prefilld", &engines.prefilld_config(&scratch.0.join("b"), &decoder)).await;
+    // prefill-b's vLLM starts once prefill-a's is up: two starting at once beside the other lanes'
+    // engines can starve a two-core machine past vLLM's start timeout.
+    let b_port = Reserved::new();
     let front = format!(
-        "[front]\nlisten = \"127.0.0.1:0\"\nmin_bridge_tokens = {BLOCK_TOKENS}\n\
+        "[front]\nlisten = \"127.0.0.1:0\"\nmin_bridge_tokens = {BLOCK_TOKENS}\n{BUSY_MACHINE_DEADLINE}\
          [[front.prefillers]]\naddr = \"http://{}\"\nname = \"prefill-a\"\n\
          [[front.prefillers]]\naddr = \"http://{}\"\nname = \"prefill-b\"\n",
-        a.grpc, b.grpc
+        a.grpc,
+        b_port.addr()
     );
     let config = engines.decoded_config(&scratch.0.join("store"), BLOCK_TOKENS, &front);
     let decoded = Daemon::start("decoded", &port.release_into(&config)).await;
     decoded.wait_ready(Duration::from_secs(300)).await;
     a.wait_ready(Duration::from_secs(900)).await;
+    let b_config = b_port.release_into(&engines.prefilld_config(&scratch.0.join("b"), &decoder));
+    let b = Daemon::start("prefilld", &b_config).await;
     b.wait_ready(Duration::from_secs(900)).await;
     let license = license_text();
 
@@ -246,7 +255,7 @@ async fn pipeline_stages_on_another_host_stream_over_mutual_tls() {
         .expect("prefilld node on the other host");
     let front = format!(
         "[front]\nlisten = \"127.0.0.1:0\"\nprefilld = \"https://{}\"\nprefilld_name = \"prefill-a\"\n\
-         min_bridge_tokens = {BLOCK_TOKENS}\n{}",
+         min_bridge_tokens = {BLOCK_TOKENS}\n{BUSY_MACHINE_DEADLINE}{}",
         prefilld.grpc,
         pki.section("mac-1", &["prefill-a"]),
     );
