@@ -13,8 +13,11 @@
              with --offload-gib N, vLLM storing every block through its own OffloadingConnector
              (the peer a K/V route must match), OUT/native-offload.json.
 
-Both on one GPU one after the other; ratio = native s / bridged s, the share of vLLM's prefill
-throughput the bridged box keeps.
+Both on one GPU one after the other. Per length two ratios: one cold prompt alone (native s /
+bridged s: the transfer's tail after vLLM's answer counts in full), and the box's throughput
+(--stream-tokens: about that many tokens of prompts submitted at once, tokens/s bridged over tokens/s
+native: a prompt's transfer overlaps the next one's prefill, as on a busy box), the share of vLLM's
+prefill throughput the bridged box keeps.
 
 Usage: PYTHONPATH=bench .venv/bin/python bench/gpu/prefill_box.py bridged --lengths 8192,32768,131072 --out DIR
        PYTHONPATH=bench .venv/bin/python bench/gpu/prefill_box.py native --prompts DIR/prompts.json|--lengths N,.. \
@@ -38,18 +41,51 @@ ROOT = Path(__file__).resolve().parents[2]
 WARM_UP_TOKENS = 2048
 
 
-def warm(content: str, scratch: Path, front: str) -> dict:
-    """One `pdbridge warm --json` of a chat whose user message is `content`."""
-    doc = scratch / "prompt.txt"
+def warm_command(content: str, doc: Path, front: str) -> list[str]:
+    """`pdbridge warm --json` of a chat whose user message is `content` (written to `doc`)."""
     doc.write_text(content)
     certs = ROOT / "var/certs"
-    command = [str(ROOT / "target/release/pdbridge"), "warm", "--json", f"--file={doc}", f"--front={front}",
-               "--prefilld=https://127.0.0.1:7071", f"--ca={certs / 'ca.pem'}", f"--cert={certs / 'mac-1.pem'}",
-               f"--key={certs / 'mac-1.key'}", "--prefilld-name=prefill-1"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=1800)
+    return [str(ROOT / "target/release/pdbridge"), "warm", "--json", f"--file={doc}", f"--front={front}",
+            "--prefilld=https://127.0.0.1:7071", f"--ca={certs / 'ca.pem'}", f"--cert={certs / 'mac-1.pem'}",
+            f"--key={certs / 'mac-1.key'}", "--prefilld-name=prefill-1"]
+
+
+def warm(content: str, scratch: Path, front: str) -> dict:
+    """One `pdbridge warm --json` of a chat whose user message is `content`."""
+    done = subprocess.run(warm_command(content, scratch / "prompt.txt", front), capture_output=True, text=True,
+                          timeout=1800)
     if done.returncode != 0:
         raise SystemExit(f"pdbridge warm failed: {done.stdout}{done.stderr}")
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def stream_count(target: int, stream_tokens: int) -> int:
+    """How many prompts of `target` tokens a throughput run takes: about `stream_tokens` in all."""
+    return max(2, stream_tokens // target)
+
+
+def warm_together(contents: list[str], scratch: Path, front: str, in_flight: int) -> dict:
+    """The prompts bridged `in_flight` at a time (one `pdbridge warm` each; each holds
+    stream.connections Push streams of the decoder's max_push_streams): the box's throughput, from
+    the first submission until the last prompt's last block is committed."""
+    start = time.perf_counter()
+    waiting = list(enumerate(contents))
+    running: list[subprocess.Popen] = []
+    runs = []
+    while waiting or running:
+        while waiting and len(running) < in_flight:
+            i, content = waiting.pop(0)
+            running.append(subprocess.Popen(warm_command(content, scratch / f"stream-{i}.txt", front),
+                                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        proc = running.pop(0)
+        out, err = proc.communicate(timeout=1800)
+        if proc.returncode != 0:
+            raise SystemExit(f"pdbridge warm failed: {out}{err}")
+        runs.append(json.loads(out.strip().splitlines()[-1]))
+    seconds = time.perf_counter() - start
+    tokens = sum(run["tokens"] for run in runs)
+    return {"prompts": len(runs), "in_flight": in_flight, "tokens": tokens, "seconds": seconds,
+            "tokens_per_s": tokens / seconds, "bridged": sum(run["outcome"] == "bridged" for run in runs)}
 
 
 def bridged(args: argparse.Namespace) -> None:
@@ -73,10 +109,15 @@ def bridged(args: argparse.Namespace) -> None:
             runs.append(warm(prompt["messages"][0]["content"], args.out, args.front))
         runs.sort(key=lambda run: run["seconds"])
         rows.append({"target": target, "runs_s": [run["seconds"] for run in runs], **runs[len(runs) // 2]})
-        print(json.dumps(rows[-1]), flush=True)
-        # After every row: a run cut short by the device's time limit keeps what it measured.
+        # After every part of a row: a run cut short (the device's time limit) keeps what it measured.
         (args.out / "prompts.json").write_text(json.dumps(ids))
         (args.out / "bridged.json").write_text(json.dumps(rows, indent=2))
+        if args.stream_tokens:
+            contents = [prompts.make(target)["messages"][0]["content"]
+                        for _ in range(stream_count(target, args.stream_tokens))]
+            rows[-1]["stream"] = warm_together(contents, args.out, args.front, args.in_flight)
+            (args.out / "bridged.json").write_text(json.dumps(rows, indent=2))
+        print(json.dumps(rows[-1]), flush=True)
 
 
 def corpus_ids(model: Path, lengths: str) -> dict[str, list[int]]:
@@ -113,12 +154,24 @@ def native(args: argparse.Namespace) -> None:
         llm.generate([TokensPrompt(prompt_token_ids=tokens)], once, use_tqdm=False)
         return time.perf_counter() - start
 
+    def prefill_together(tokens: list[int], count: int) -> dict:
+        # The same ids `count` times (prefix caching off, or both caches emptied: each computed).
+        if args.offload_gib:
+            llm.reset_prefix_cache(reset_connector=True)
+        start = time.perf_counter()
+        llm.generate([TokensPrompt(prompt_token_ids=tokens)] * count, once, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        return {"prompts": count, "tokens": count * len(tokens), "seconds": seconds,
+                "tokens_per_s": count * len(tokens) / seconds}
+
     prefill(next(iter(ids.values()))[:WARM_UP_TOKENS])
     rows = []
     for target, tokens in ids.items():
         seconds = sorted(prefill(tokens) for _ in range(args.repeats))
         rows.append({"target": int(target), "tokens": len(tokens), "seconds": seconds,
                      "median_s": seconds[len(seconds) // 2], "eager": args.eager, "offload_gib": args.offload_gib})
+        if args.stream_tokens:
+            rows[-1]["stream"] = prefill_together(tokens, stream_count(int(target), args.stream_tokens))
         print(json.dumps(rows[-1]), flush=True)
         name = "native" + ("-eager" if args.eager else "") + ("-offload" if args.offload_gib else "")
         (args.out / f"{name}.json").write_text(json.dumps(rows, indent=2))
@@ -182,16 +235,19 @@ def plot(args: argparse.Namespace) -> None:
 
 # The kv route's bars: the share of vLLM alone's throughput each box keeps (gpu_e2e.json `kv_route`).
 KEPT = (("vLLM + its OffloadingConnector", "offloading_connector_kept", (120, 120, 120)),
-        ("bridged, kv route (kv_bits 4)", "bridged_kv_route_kept", (40, 90, 200)))
+        ("kv route, kv_bits 4, stream", "bridged_kv4_stream_kept", (40, 90, 200)),
+        ("kv route, kv_bits 8, stream", "bridged_kv8_stream_kept", (30, 150, 60)),
+        ("kv route, kv_bits 4, one prompt", "bridged_kv4_kept", (150, 180, 230)))
 
 
 def plot_kept(args: argparse.Namespace) -> None:
     """Per length, the share of vLLM alone's throughput vLLM's own OffloadingConnector and the kv
-    route's bridged box keep, beside the 95 % and 98 % bars."""
+    route's bridged box keep (a stream of prompts, and one prompt alone), beside the 95 % and 98 %
+    bars."""
     from PIL import Image, ImageDraw, ImageFont
 
     rows = json.loads(args.results.read_text())["kv_route"]["prefill_box"]["rows"]
-    width, height, left, top, bottom = 760, 440, 70, 60, 90
+    width, height, left, top, bottom = 860, 460, 70, 60, 110
     img = Image.new("RGB", (width, height), "white")
     d = ImageDraw.Draw(img)
     font = ImageFont.load_default(size=13)
@@ -204,17 +260,19 @@ def plot_kept(args: argparse.Namespace) -> None:
         d.text((left - 8, y(share)), f"{share:.0%}", fill="black", font=font, anchor="rm")
     for share in (0.95, 0.98):  # the issue's bars
         d.line([(left, y(share)), (width - 20, y(share))], fill=(200, 60, 60))
-    slot, bar = (width - left - 20) / len(rows), 60
+    slot, bar = (width - left - 20) / len(rows), 44
     for i, row in enumerate(rows):
-        x = left + slot * i + 30
+        x = left + slot * i + 20
         for k, (_, key, color) in enumerate(KEPT):
-            bx = x + k * (bar + 8)
+            if key not in row:  # not measured
+                continue
+            bx = x + k * (bar + 6)
             d.rectangle([bx, y(row[key]), bx + bar, y(0)], fill=color)
             d.text((bx + bar / 2, y(row[key]) - 4), f"{row[key]:.0%}", fill="black", font=font, anchor="mb")
-        d.text((x + bar + 4, height - bottom + 12), f"{row['prompt_tokens']:,} tokens", fill="black", font=font,
+        d.text((x + 2 * (bar + 6), height - bottom + 12), f"{row['prompt_tokens']:,} tokens", fill="black", font=font,
                anchor="ma")
     for k, (name, _, color) in enumerate(KEPT):
-        lx, ly = left + k * 320, height - 40
+        lx, ly = left + (k % 2) * 320, height - 52 + (k // 2) * 22
         d.rectangle([lx, ly, lx + 14, ly + 14], fill=color)
         d.text((lx + 20, ly), name, fill="black", font=font)
     d.text((width / 2, 20), args.title, fill="black", font=font, anchor="ma")
@@ -228,6 +286,9 @@ def main() -> None:
     b.add_argument("--lengths", default="8192,32768,131072")
     b.add_argument("--front", default="http://127.0.0.1:8080")
     b.add_argument("--repeats", type=int, default=3, help="cold prompts per length; the row is their median")
+    b.add_argument("--in-flight", type=int, default=4,
+                   help="prompts bridged at once in the throughput run (each holds stream.connections of the "
+                        "decoder's 32 Push streams)")
     n = sub.add_parser("native")
     n.add_argument("--model", type=Path, default=Path("models/llama8b-hf"))
     source = n.add_mutually_exclusive_group(required=True)
@@ -241,6 +302,9 @@ def main() -> None:
     n.add_argument("--tokenizer-mode", default="auto", help="hf: a model's own prompt encoder left out (ids only)")
     for s in (b, n):
         s.add_argument("--out", type=Path, required=True)
+        s.add_argument("--stream-tokens", type=int, default=262144,
+                       help="per length, also about this many tokens of prompts submitted at once: the box's "
+                            "throughput (0: off)")
     g = sub.add_parser("plot", help="the results file's prefill_box rows as a PNG")
     g.add_argument("--results", type=Path, default=Path("bench/results/gpu_e2e.json"))
     g.add_argument("--png", type=Path, default=Path("bench/results/gpu_prefill_box.png"))

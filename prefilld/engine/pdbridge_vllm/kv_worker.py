@@ -14,8 +14,9 @@ nothing is recomputed. Per step:
 3. ``wait_for_save`` (after the forward): the whole blocks the staging buffer completes are laid out
    as the decoder's blocks (quantized on the GPU as MLX quantizes, `kv_quant.py`), copied with one
    asynchronous copy into the pinned ring (`ring.py`, page-locked once at start), and queued with
-   the copy's event to the streamer, whose thread sends them when the copy is done; the rest stays as the next step's carry. The
-   forward of the next step waits for the side stream (vLLM may reuse a sliding window's blocks).
+   the copy's event to the streamer, whose thread sends them when the copy is done; the rest stays
+   as the next step's carry. vLLM's stream waits only for the reads (vLLM may reuse a sliding
+   window's blocks): the rest of the route's GPU work overlaps vLLM's sampling and next steps.
 """
 
 from __future__ import annotations
@@ -263,6 +264,14 @@ class KvWorker(BridgeWorker):
             staged.st.stream.ms["capture"] += (time.perf_counter() - t0) * 1e3
 
     def wait_for_save(self, meta: PdBridgeMetadata | None) -> None:
+        if self._step and self._side is not None:
+            # The next forward may reuse the blocks the reads copied from (a sliding window's), so
+            # it waits for them; not for what follows on the side stream (laying out, quantizing,
+            # the copy to the host), which reads only the request's own rows and overlaps vLLM's
+            # sampling and next steps.
+            read = torch.cuda.Event()
+            read.record(self._side)
+            torch.cuda.current_stream(self._device).wait_event(read)
         try:
             with self._on_side():
                 for staged in self._step:
@@ -272,8 +281,6 @@ class KvWorker(BridgeWorker):
         except Exception:
             self._fail_all("the kv route's step")
         finally:
-            if self._step and self._side is not None:  # the next forward may reuse blocks it reads
-                torch.cuda.current_stream(self._device).wait_stream(self._side)
             self._step = []
 
     # ---- per request -----------------------------------------------------------------------------

@@ -38,7 +38,7 @@ use crate::{
 /// A bridge's detail when vLLM stopped answering its liveness probe mid-way.
 const STALLED: &str = "the prefill engine stopped answering (engine.liveness)";
 
-/// Longest wait for the plugin's end-of-prefill event once vLLM has answered.
+/// Longest the plugin may stay silent once vLLM has answered (its end event or more blocks owed).
 const END_EVENT_GRACE: Duration = Duration::from_secs(30);
 
 mod link;

@@ -44,6 +44,9 @@ pub(super) struct Transfer<'a> {
     started: Instant,
     /// When vLLM answered: from then only the plugin's end event is owed.
     prefilled_at: Option<Instant>,
+    /// The plugin's last frame since vLLM answered (or the answer itself): a plugin still sending
+    /// blocks (a slow link, a busy reconstruction) is not waiting on a lost end event.
+    heard_at: Option<Instant>,
     /// When the first block went on the wire.
     first_block_at: Option<Instant>,
     /// Milliseconds per stage, for `Outcome.stage_ms`.
@@ -97,6 +100,7 @@ impl<'a> Transfer<'a> {
             sent: Sent::default(),
             started,
             prefilled_at: None,
+            heard_at: None,
             first_block_at: None,
             stage_ms: BTreeMap::new(),
             route: bridge.route(job.payload),
@@ -114,7 +118,10 @@ impl<'a> Transfer<'a> {
         loop {
             let wake_at = self.wake_at();
             let ended = tokio::select! {
-                event = plugin.recv() => self.on_plugin(event, events).await?,
+                event = plugin.recv() => {
+                    self.heard_at = self.prefilled_at.map(|_| Instant::now());
+                    self.on_plugin(event, events).await?
+                }
                 answer = &mut self.prefill, if self.prefilled_at.is_none() => {
                     self.on_prefilled(answer)?;
                     None
@@ -199,6 +206,7 @@ impl<'a> Transfer<'a> {
     /// vLLM's answer: the prompt is prefilled, or the engine failed.
     pub(super) fn on_prefilled(&mut self, answer: Result<Result<(), EngineError>, JoinError>) -> Result<(), Failure> {
         self.prefilled_at = Some(Instant::now());
+        self.heard_at = self.prefilled_at;
         self.stage_ms.insert("prefill".into(), millis(self.started.elapsed()));
         match answer {
             Ok(Ok(())) => Ok(()),
@@ -208,14 +216,14 @@ impl<'a> Transfer<'a> {
     }
 
     /// When to give up: the deadline, or sooner once vLLM has answered and
-    /// only the plugin's end event is owed.
+    /// the plugin has sent nothing for END_EVENT_GRACE.
     pub(super) fn wake_at(&self) -> Instant {
-        self.prefilled_at.map_or(self.deadline, |t| (t + END_EVENT_GRACE).min(self.deadline))
+        self.heard_at.map_or(self.deadline, |t| (t + END_EVENT_GRACE).min(self.deadline))
     }
 
     pub(super) fn timed_out(&self) -> Failure {
         match self.prefilled_at {
-            Some(_) => fail(Reason::Timeout, "no end-of-prefill event from the plugin"),
+            Some(_) => fail(Reason::Timeout, "vLLM answered, then the plugin sent nothing more and no end event"),
             None => fail(Reason::Timeout, "prefill deadline passed"),
         }
     }
