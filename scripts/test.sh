@@ -80,7 +80,7 @@ fast() {
             decoded/engine/tests test_stop_text.py prefilld/engine/tests test_params.py
             prefilld/engine/tests test_capture.py prefilld/engine/tests test_streamer.py
             prefilld/engine/tests test_link.py prefilld/engine/tests test_kv_quant.py
-            prefilld/engine/tests test_ring.py
+            prefilld/engine/tests test_ring.py prefilld/engine/tests test_kv_quant_fused.py
             bench/gpu test_carry.py")
   tier 'not binary(engines)' "$@"
 }

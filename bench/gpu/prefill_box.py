@@ -225,12 +225,17 @@ def plot(args: argparse.Namespace) -> None:
             label = f"{t:.2f} s" if k == 0 else f"{native[n] / t:.0%}"
             d.text((bx + bar / 2, y(t) - 4), label, fill="black", font=font, anchor="mb")
         d.text((x + 2.5 * (bar + 6), height - bottom + 12), f"{n:,} tokens", fill="black", font=font, anchor="ma")
-    for k, (name, _, color) in enumerate(BARS):
-        lx, ly = left + (k % 3) * 300, height - 62 + (k // 3) * 22
-        d.rectangle([lx, ly, lx + 14, ly + 14], fill=color)
-        d.text((lx + 20, ly), name, fill="black", font=font)
+    legend(d, font, BARS, (left, height - 62), per_row=3, column=300)
     d.text((width / 2, 20), args.title, fill="black", font=font, anchor="ma")
     img.save(args.png)
+
+
+def legend(d, font, entries, at: tuple[float, float], per_row: int, column: float) -> None:
+    """A swatch and a name per (name, _, color) entry, `per_row` to a row of `column` px each."""
+    for k, (name, _, color) in enumerate(entries):
+        lx, ly = at[0] + (k % per_row) * column, at[1] + (k // per_row) * 22
+        d.rectangle([lx, ly, lx + 14, ly + 14], fill=color)
+        d.text((lx + 20, ly), name, fill="black", font=font)
 
 
 # The kv route's bars: the share of vLLM alone's throughput each box keeps (gpu_e2e.json `kv_route`).
@@ -271,10 +276,7 @@ def plot_kept(args: argparse.Namespace) -> None:
             d.text((bx + bar / 2, y(row[key]) - 4), f"{row[key]:.0%}", fill="black", font=font, anchor="mb")
         d.text((x + 2 * (bar + 6), height - bottom + 12), f"{row['prompt_tokens']:,} tokens", fill="black", font=font,
                anchor="ma")
-    for k, (name, _, color) in enumerate(KEPT):
-        lx, ly = left + (k % 2) * 320, height - 52 + (k // 2) * 22
-        d.rectangle([lx, ly, lx + 14, ly + 14], fill=color)
-        d.text((lx + 20, ly), name, fill="black", font=font)
+    legend(d, font, KEPT, (left, height - 52), per_row=2, column=320)
     d.text((width / 2, 20), args.title, fill="black", font=font, anchor="ma")
     img.save(args.png)
 

@@ -12,7 +12,8 @@ nothing is recomputed. Per step:
    out of the paged cache into the staging buffer (`paged.py`) — on a side CUDA stream that waits
    for the layer's write, so the forward never waits on the bridge.
 3. ``wait_for_save`` (after the forward): the whole blocks the staging buffer completes are laid out
-   as the decoder's blocks (quantized on the GPU as MLX quantizes, `kv_quant.py`), copied with one
+   as the decoder's blocks (quantized on the GPU as MLX quantizes, `kv_quant.py`, by one Triton
+   kernel where it gives the same bytes, `kv_quant_fused.py`), copied with one
    asynchronous copy into the pinned ring (`ring.py`, page-locked once at start), and queued with
    the copy's event to the streamer, whose thread sends them when the copy is done; the rest stays
    as the next step's carry. vLLM's stream waits only for the reads (vLLM may reuse a sliding
@@ -32,6 +33,7 @@ import torch
 from pdbridge_cache.proto import bridge_pb2, engine_pb2
 
 from . import kv_quant, protocol
+from .kv_quant_fused import Fused
 from .link import RemoteLink
 from .metadata import PdBridgeMetadata, StepProgress
 from .paged import LayoutError, PagedRows
@@ -71,7 +73,8 @@ class Layout:
     each layer's keys then values ``[1, heads, rows, dim]`` in the decoder's dtype, or, quantized,
     each one's codes, scales and biases."""
 
-    def __init__(self, spec: bridge_pb2.CacheSpec, heads: int, head_dim: int, layers: int):
+    def __init__(self, spec: bridge_pb2.CacheSpec, heads: int, head_dim: int, layers: int,
+                 quantizer: Fused | None = None):
         if len(spec.layers) != layers:
             raise SpecError(f"the decoder has {len(spec.layers)} layers, vLLM {layers}")
         self.dtype, self.rule = None, spec.decoder_code.device or kv_quant.CPU
@@ -98,6 +101,7 @@ class Layout:
             else:
                 self.runs.append(run)
         self._spec = spec
+        self._quantizer = quantizer or Fused()
 
     def headers(self, rows: int) -> tuple[list[engine_pb2.PluginTensor], int]:
         """The block's tensors for `rows` tokens, offsets in `lay_out`'s order, and its bytes."""
@@ -127,8 +131,8 @@ class Layout:
                 continue
             # A few blocks at a time: quantizing works in float32 (4x a bf16 block in temporaries).
             for lo in range(0, count, _QUANTIZE_BLOCKS):
-                codes, scales, biases = kv_quant.quantize(part[lo:lo + _QUANTIZE_BLOCKS], run.group_size,
-                                                          run.bits, self.rule)
+                codes, scales, biases = self._quantizer.quantize(part[lo:lo + _QUANTIZE_BLOCKS], run.group_size,
+                                                                 run.bits, self.rule)
                 each = [t.view(torch.uint8).flatten(3) for t in (codes, scales, biases)]  # [blocks, n, 2, bytes]
                 laid = torch.cat(each, dim=3).flatten(1)
                 out[lo:lo + len(laid), at:at + laid.shape[1]].copy_(laid)
@@ -201,6 +205,7 @@ class KvWorker(BridgeWorker):
         self._side: torch.cuda.Stream | None = None
         self._ring: PinnedRing | None = None
         self._profile = _Profile()
+        self._quantizer = Fused()  # shared by the requests: it checks the kernel once per kind
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], has_work=None) -> None:
         from vllm.config import get_layers_from_vllm_config
@@ -301,7 +306,8 @@ class KvWorker(BridgeWorker):
                 raise SpecError("a vLLM started for the kv route takes only kv route requests with "
                                 "the decoder's spec")
             any_reader = next(iter(self._layers.values()))[2]
-            self._layouts[new.req_id] = Layout(p.spec, any_reader.heads, any_reader.head_dim, len(self._layers))
+            self._layouts[new.req_id] = Layout(p.spec, any_reader.heads, any_reader.head_dim, len(self._layers),
+                                               self._quantizer)
             self._profile.admit(new.req_id)
         except (SpecError, LayoutError) as e:
             self._fail(st, protocol.BUNDLE_MISMATCH, f"kv route: {e}")
