@@ -56,7 +56,7 @@ kit=/tmp/pdb-kit
 platforms() {
   local p
   printf -- '--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux2014_x86_64'
-  for p in 17 24 27 28 31 34 35; do printf -- ' --platform manylinux_2_%s_x86_64' "$p"; done
+  for p in 17 18 24 27 28 31 34 35; do printf -- ' --platform manylinux_2_%s_x86_64' "$p"; done
 }
 
 prepare() {

@@ -210,7 +210,8 @@ def server_env() -> dict[str, str]:
         "PYTHONPATH": str(PLUGIN_DIR),
         "HF_HUB_OFFLINE": "1",
         models.CAPTURE_ENV: "1",
-        "VLLM_CPU_KVCACHE_SPACE": "2",
+        # 1 GiB of KV: a test model's 4096-token prompt needs < 200 MB, and the suites share 24 GB.
+        "VLLM_CPU_KVCACHE_SPACE": "1",
         # A kv_transfer_config makes vLLM-CPU reserve one more core for itself; on 2 cores that
         # leaves none for the forward. Reserve exactly one (the API server's).
         "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",

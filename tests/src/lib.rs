@@ -528,12 +528,14 @@ impl Engines {
 
     /// [`Engines::prefilld_config_parallel`] with `env_keys` for vLLM's `[engine.env]` instead of
     /// its cores.
+    /// (vLLM's KV space is 1 GiB: a test model's 4096-token prompt needs < 200 MB, and the tests
+    /// running at once share the machine's memory.)
     pub fn prefilld_config_with(&self, var_dir: &Path, engine_keys: &str, env_keys: &str, extra: &str) -> String {
         let args = if engine_keys.is_empty() { String::new() } else { format!("{engine_keys}\n") };
         format!(
             "{server}[engine]\npython = {python:?}\nplugin_dir = {plugin:?}\nmodel = {model:?}\ndtype = {dtype:?}\n\
              max_model_len = 4096\nplugin_socket = {socket:?}\nbundle_dir = {bundles:?}\n{args}\
-             [engine.env]\nVLLM_CPU_KVCACHE_SPACE = \"2\"\nVLLM_CPU_NUM_OF_RESERVED_CPU = \"1\"\n{env_keys}{extra}",
+             [engine.env]\nVLLM_CPU_KVCACHE_SPACE = \"1\"\nVLLM_CPU_NUM_OF_RESERVED_CPU = \"1\"\n{env_keys}{extra}",
             server = loopback_config("prefilld", "5s"),
             python = self.python,
             plugin = self.plugin_dir,

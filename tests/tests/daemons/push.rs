@@ -539,8 +539,12 @@ async fn a_collector_that_is_down_costs_spans_not_pushes() {
     let receiver = OtlpReceiver::start_on(collector).await;
     let receipt = traced_push(&mut client, 1).await.expect("served with the collector up");
     assert_eq!(receipt.blocks_committed, 1);
-    let spans =
-        receiver.wait_for(Duration::from_secs(30), |spans| spans.iter().any(|s| s.name == "store.commit")).await;
+    // store.push ends after store.commit and may come in a later export batch: wait for both.
+    let spans = receiver
+        .wait_for(Duration::from_secs(30), |spans| {
+            ["store.commit", "store.push"].iter().all(|name| spans.iter().any(|s| s.name == *name))
+        })
+        .await;
     let trace = Trace::of(&spans, trace_id);
     let push = trace.one("decoded", "store.push");
     assert_eq!(push.parent_id, caller, "{}", trace.tree());

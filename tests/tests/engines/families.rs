@@ -111,7 +111,7 @@ async fn decoder_answers_as_natively(case: &Case, prefilld: &Daemon, port: Reser
     let store = scratch.0.join(format!("{name}-store-{}", port.addr().port()));
     let mut decoded =
         Daemon::start("decoded", &port.release_into(&engines.decoded_config(&store, *block_tokens, &extra))).await;
-    decoded.wait_ready(Duration::from_secs(300)).await;
+    decoded.wait_ready(Duration::from_secs(600)).await;
     prefilld.wait_ready(Duration::from_secs(900)).await;
 
     let bridged = prompt.ask(&decoded, "auto").await;
@@ -233,7 +233,7 @@ async fn the_kv_route_bridges_plain_and_windowed_caches() {
     let store = scratch.0.join("exact-store");
     let decoded =
         Daemon::start("decoded", &exact.release_into(&case.engines.decoded_config(&store, 512, &extra))).await;
-    decoded.wait_ready(Duration::from_secs(300)).await;
+    decoded.wait_ready(Duration::from_secs(600)).await;
     prefilld.wait_ready(Duration::from_secs(900)).await;
     let answer = case.prompt.ask(&decoded, "auto").await;
     assert_eq!(answer.status, 200, "{:?}", answer.body);
