@@ -10,7 +10,7 @@ Same arithmetic as `kv_quant.quantize` (float32, IEEE division `div_rn`, round h
 the same selects), so the bytes are the same: `Fused.quantize` proves it on the first input of each
 (dtype, bits, group) by comparing the two byte for byte, and uses the kernel only where they agree
 (a disagreement is logged once and the torch version used from then on). The fast tier runs the
-kernel in Triton's interpreter against the torch version (`test_kv_quant.py`); the GPU kit on CUDA.
+kernel in Triton's interpreter against the torch version (`test_kv_quant_fused.py`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from . import kv_quant
 logger = logging.getLogger("vllm.pdbridge_vllm")
 
 _GROUPS_PER_PROGRAM = 16
-
 
 try:  # vLLM's CUDA and CPU builds both bring Triton; without it the torch version quantizes
     import triton
@@ -42,9 +41,10 @@ if triton is not None:
 
     @triton.jit
     def _quantize_groups(w_ptr, codes_ptr, scales_ptr, biases_ptr, groups,
-                         GROUP: tl.constexpr, BITS: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr):
+                         GROUP: tl.constexpr, BITS: tl.constexpr, N_BINS: tl.constexpr,
+                         GROUPS_PER_PROGRAM: tl.constexpr):
         PER_WORD: tl.constexpr = 32 // BITS
-        n_bins = (2**BITS - 1) * 1.0
+        n_bins = N_BINS
         g = tl.program_id(0) * GROUPS_PER_PROGRAM + tl.arange(0, GROUPS_PER_PROGRAM)
         live = g < groups
         col = tl.arange(0, GROUP)
@@ -85,7 +85,7 @@ def quantize(w: torch.Tensor, group_size: int, bits: int) -> tuple[torch.Tensor,
     biases = torch.empty_like(scales)
     grid = (-(-groups // _GROUPS_PER_PROGRAM),)
     _quantize_groups[grid](rows, codes, scales, biases, groups, GROUP=group_size, BITS=bits,
-                    GROUPS_PER_PROGRAM=_GROUPS_PER_PROGRAM)
+                           N_BINS=float(2**bits - 1), GROUPS_PER_PROGRAM=_GROUPS_PER_PROGRAM)
     return codes.view(torch.uint32), scales.to(w.dtype), biases.to(w.dtype)
 
 
