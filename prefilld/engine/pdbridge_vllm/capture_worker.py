@@ -56,11 +56,13 @@ class CaptureWorker(BridgeWorker):
         self._slot_layers: set[str] = set()  # layers whose slot mapping is the step's
         self._recorder = None  # the stage route's model (`models.Recorder`)
         self._step_inputs: list[torch.Tensor] | None = None  # its inputs of this step's forward
+        self._has_work = lambda: False  # whether the step has bridge work (the connector's answer)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], has_work) -> None:
         # Tensor-parallel rank 0 emits; every rank holds the same hidden states.
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
+        self._has_work = has_work
         self._is_tp_rank_zero = get_tensor_model_parallel_rank() == 0
         stage = None
         if models.stage_route(self._vllm_config):
@@ -115,10 +117,10 @@ class CaptureWorker(BridgeWorker):
                     pp.world_size, layers)
         return layers, (pp.rank_in_group, pp.world_size)
 
-    def save_kv_layer(self, layer_name: str, attn_metadata: AttentionMetadata, has_work) -> None:
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata) -> None:
         # Called after every attention layer; one layer's slot mapping is the step's (the
         # drafter's hidden-states layer: what was just written into its cache).
-        if self._step_slots is None and layer_name in self._slot_layers and has_work():
+        if self._step_slots is None and layer_name in self._slot_layers and self._has_work():
             slots = getattr(attn_metadata, "slot_mapping", None)
             if slots is not None:
                 self._step_slots = slots.clone()

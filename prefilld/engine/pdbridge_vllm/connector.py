@@ -160,15 +160,11 @@ class PdBridgeConnector(KVConnectorBase_V1, SupportsHMA):
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
-        if isinstance(self._worker, KvWorker):  # before the forward: its layers read into the step's rows
-            self._worker.begin_step(self._bridge_meta())
+        self._worker.begin_step(self._bridge_meta())  # before the forward (the kv route sets up its reads)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
                       attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
-        if isinstance(self._worker, KvWorker):
-            self._worker.save_kv_layer(layer_name, kv_layer)
-        else:
-            self._worker.save_kv_layer(layer_name, attn_metadata, self._has_bridge_work)
+        self._worker.save_kv_layer(layer_name, kv_layer, attn_metadata)
 
     def wait_for_save(self) -> None:
         self._worker.wait_for_save(self._bridge_meta())

@@ -116,11 +116,11 @@ class Layout:
                 at += nbytes
         return out, at
 
-    def lay_out(self, rows: torch.Tensor, count: int) -> torch.Tensor:
+    def lay_out(self, rows: torch.Tensor, count: int, block_bytes: int) -> torch.Tensor:
         """`count` consecutive blocks of `rows` ([layers, 2, heads, count * R, dim]) as one uint8
-        tensor [count, block bytes], each block's bytes as `headers(R)` says."""
+        tensor [count, block_bytes], each block's bytes as `headers(R)` says."""
         blocks = rows.unflatten(3, (count, -1)).permute(3, 0, 1, 2, 4, 5)  # [count, layers, 2, heads, R, dim]
-        out = torch.empty((count, self.headers(blocks.shape[4])[1]), dtype=torch.uint8, device=rows.device)
+        out = torch.empty((count, block_bytes), dtype=torch.uint8, device=rows.device)
         at = 0
         for run in self.runs:
             part = blocks[:, run.first:run.end]
@@ -251,7 +251,7 @@ class KvWorker(BridgeWorker):
             self._step = []
             self._fail_all("the kv route's step set-up")
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor) -> None:
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata=None) -> None:
         if not self._step or layer_name not in self._layers:
             return
         t0 = time.perf_counter()
@@ -383,8 +383,8 @@ class KvWorker(BridgeWorker):
 
     def _send(self, st: WorkerState, first: int, layout: Layout, rows: torch.Tensor, count: int,
               tail: bool = False) -> None:
-        headers, _ = layout.headers(rows.shape[3] // count)
-        payload = layout.lay_out(rows, count)
+        headers, block_bytes = layout.headers(rows.shape[3] // count)
+        payload = layout.lay_out(rows, count, block_bytes)
         event = release = None
         if self._side is not None:  # one asynchronous copy of every block into pinned memory
             host, release = self._pinned(st, payload.shape)

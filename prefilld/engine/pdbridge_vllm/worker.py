@@ -47,6 +47,9 @@ class BridgeWorker:
         self._reqs: dict[str, WorkerState] = {}
         self._streamer: Streamer | None = None
 
+    def begin_step(self, meta) -> None:
+        """The step's metadata is bound, before its forward (`meta`: None without bridge work)."""
+
     def shutdown(self):
         if self._streamer is not None:
             self._streamer.close()
