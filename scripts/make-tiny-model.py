@@ -50,7 +50,7 @@ All but llama-long have an untied output projection (see `tensor_specs`).
 
 Idempotent like prepare-model.py: a folder whose stamp matches is left alone.
 
-Usage: .venv/bin/python scripts/make-tiny-model.py --family FAMILY [--out models]
+Usage: .venv/bin/python scripts/make-tiny-model.py --family FAMILY [FAMILY ...] [--out models]
 """
 
 import argparse
@@ -708,10 +708,30 @@ def verify_published(folder: Path, config: dict) -> None:
     print(f"{folder.name}: {len(ours)} tensors read alike by mlx-lm and the plugin")
 
 
+def make(family_name: str, out: Path, tokenizer: Path) -> None:
+    """The family's folders under `out`, unless their stamps say they are current."""
+    # The family's whole entry (config and weights spec) is in the stamp: editing it rebuilds the folders.
+    family = json.dumps(FAMILIES[family_name], sort_keys=True)
+    stamp = f"make-tiny-model v{SCRIPT_VERSION}\nfamily {family_name} seed {SEED} {family}\n"
+    mlx_folder = out / f"tiny-{family_name}-mlx"
+    hf_folder = out / f"tiny-{family_name}-hf"
+    if FAMILIES[family_name].get("weights", {}).get("format") == "deepseek":
+        ensure(out / f"tiny-{family_name}", stamp, lambda tmp: build_published(tmp, family_name, tokenizer))
+        return
+    ensure(mlx_folder, stamp, lambda tmp: build_mlx(tmp, family_name, tokenizer))
+    to_hf = TO_HF.get(FAMILIES[family_name]["model_type"])
+    config = json.loads((mlx_folder / "config.json").read_text())
+    relayout = to_hf and (lambda weights: to_hf(weights, config))
+    prefill_dtype = FAMILIES[family_name].get("prefill_dtype", "float32")
+    layout = f"layout {to_hf.__name__}\n" if to_hf else ""  # a new layout rebuilds the prefill folder
+    ensure(hf_folder, stamp + layout, lambda tmp: build_hf(tmp, mlx_folder, relayout, prefill_dtype))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     root = Path(__file__).resolve().parent.parent
-    parser.add_argument("--family", choices=sorted(FAMILIES), required=True)
+    # Several in one process: the imports (~2 s) once.
+    parser.add_argument("--family", choices=sorted(FAMILIES), required=True, nargs="+")
     parser.add_argument("--out", type=Path, default=root / "models", help="parent folder (default: %(default)s)")
     parser.add_argument(
         "--tokenizer", type=Path, default=root / "models" / "smollm2-mlx", help="folder with the tokenizer files"
@@ -720,22 +740,8 @@ def main() -> None:
     missing = [n for n in TOKENIZER_FILES if not (args.tokenizer / n).is_file()]
     if missing:
         raise SystemExit(f"make-tiny-model: {args.tokenizer} lacks {missing} (run scripts/prepare-model.py first)")
-    # The family's whole entry (config and weights spec) is in the stamp: editing it rebuilds the folders.
-    family = json.dumps(FAMILIES[args.family], sort_keys=True)
-    stamp = f"make-tiny-model v{SCRIPT_VERSION}\nfamily {args.family} seed {SEED} {family}\n"
-    mlx_folder = args.out / f"tiny-{args.family}-mlx"
-    hf_folder = args.out / f"tiny-{args.family}-hf"
-    if FAMILIES[args.family].get("weights", {}).get("format") == "deepseek":
-        folder = args.out / f"tiny-{args.family}"
-        ensure(folder, stamp, lambda tmp: build_published(tmp, args.family, args.tokenizer))
-        return
-    ensure(mlx_folder, stamp, lambda tmp: build_mlx(tmp, args.family, args.tokenizer))
-    to_hf = TO_HF.get(FAMILIES[args.family]["model_type"])
-    config = json.loads((mlx_folder / "config.json").read_text())
-    relayout = to_hf and (lambda weights: to_hf(weights, config))
-    prefill_dtype = FAMILIES[args.family].get("prefill_dtype", "float32")
-    layout = f"layout {to_hf.__name__}\n" if to_hf else ""  # a new layout rebuilds the prefill folder
-    ensure(hf_folder, stamp + layout, lambda tmp: build_hf(tmp, mlx_folder, relayout, prefill_dtype))
+    for family_name in args.family:
+        make(family_name, args.out, args.tokenizer)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,5 @@ cd "$(dirname "$0")/.."
 py=.venv/bin/python
 "$py" scripts/prepare-model.py
 [ "${1:-}" = --no-gemma ] || "$py" scripts/prepare-gguf-model.py --model gemma3-270m
-for family in llama3 qwen3 gemma3 deepseek_v3 gpt_oss qwen3_next deepseek_v41 deepseek_v41_flash; do
-  "$py" scripts/make-tiny-model.py --family "$family"
-done
+"$py" scripts/make-tiny-model.py --family llama3 qwen3 gemma3 deepseek_v3 gpt_oss qwen3_next deepseek_v41 \
+  deepseek_v41_flash

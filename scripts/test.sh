@@ -51,58 +51,85 @@ py_suites() {
   return "$status"
 }
 
-# A tier: each stream of Python suites in `streams` in the background beside the nextest tests of
-# filter $1 (whose groups, .config/nextest.toml, say what runs at once); the CPU decoder computes on
-# one core, so the streams keep the machine's cores busy. The suites' output is shown when all end.
-tier() {
-  local filter=$1 status=0 logs=() pids=() stream i
+# Each tier's Python suites in streams, started in the background (the CPU decoder computes on one
+# core, so the streams keep the machine's cores busy): their pids and logs by tier.
+declare -A stream_pids=() stream_logs=()
+start_streams() {
+  local tier=$1 stream log
   shift
-  for stream in "${streams[@]}"; do
-    logs+=("$(mktemp)")
-    py_suites "$stream" >"${logs[-1]}" 2>&1 &
-    pids+=($!)
+  for stream in "$@"; do
+    log=$(mktemp)
+    py_suites "$stream" >"$log" 2>&1 &
+    stream_pids[$tier]+="$! "
+    stream_logs[$tier]+="$log "
   done
-  cargo nextest run --workspace --locked --no-fail-fast -E "$filter" "$@" || status=$?
+}
+
+# Waits for tier $1's streams and shows their output; the status says whether all passed.
+wait_streams() {
+  local name=$1 status=0 pids logs i
+  read -ra pids <<<"${stream_pids[$name]:-}"
+  read -ra logs <<<"${stream_logs[$name]:-}"
   for i in "${!pids[@]}"; do
     wait "${pids[i]}" || status=$?
-    echo "test.sh: the Python suites, stream $(( i + 1 )) of ${#pids[@]}:" >&2
+    echo "test.sh: the $name tier's Python suites, stream $(( i + 1 )) of ${#pids[@]}:" >&2
     cat "${logs[i]}" >&2
     rm -f "${logs[i]}"
   done
   return "$status"
 }
 
+# A tier: its streams (unless started earlier) beside the nextest tests of filter $2 (whose groups,
+# .config/nextest.toml, say what runs at once).
+tier() {
+  local name=$1 filter=$2 status=0
+  shift 2
+  [ -n "${stream_pids[$name]:-}" ] || start_streams "$name" "${streams[@]}"
+  cargo nextest run --workspace --locked --no-fail-fast -E "$filter" "$@" || status=$?
+  wait_streams "$name" || status=$?
+  return "$status"
+}
+
 # The fast tier's suites in two streams: the chat tokenizer's (every tokenizer under models/) takes
 # as long as the rest together, and the nextest tests mostly wait on their daemons.
+fast_streams=("decoded/engine/tests test_chat.py"
+              "common/engine/tests test_*.py decoded/engine/tests test_golden.py
+               decoded/engine/tests test_stop_text.py prefilld/engine/tests test_params.py
+               prefilld/engine/tests test_capture.py prefilld/engine/tests test_streamer.py
+               prefilld/engine/tests test_link.py prefilld/engine/tests test_kv_quant.py
+               prefilld/engine/tests test_ring.py prefilld/engine/tests test_kv_quant_fused.py
+               bench/gpu test_carry.py")
+engine_streams=("decoded/engine/tests test_adapter.py prefilld/engine/tests test_plugin.py
+                 prefilld/engine/tests test_reconstruct.py prefilld/engine/tests test_deepseek_v41*.py")
+
 fast() {
-  streams=("decoded/engine/tests test_chat.py"
-           "common/engine/tests test_*.py decoded/engine/tests test_golden.py
-            decoded/engine/tests test_stop_text.py prefilld/engine/tests test_params.py
-            prefilld/engine/tests test_capture.py prefilld/engine/tests test_streamer.py
-            prefilld/engine/tests test_link.py prefilld/engine/tests test_kv_quant.py
-            prefilld/engine/tests test_ring.py prefilld/engine/tests test_kv_quant_fused.py
-            bench/gpu test_carry.py")
-  tier 'not binary(engines)' "$@"
+  streams=("${fast_streams[@]}")
+  tier fast 'not binary(engines)' "$@"
 }
 
 engines() {
-  streams=("decoded/engine/tests test_adapter.py prefilld/engine/tests test_plugin.py
-            prefilld/engine/tests test_reconstruct.py prefilld/engine/tests test_deepseek_v41*.py")
-  tier 'binary(engines)' "$@"
+  streams=("${engine_streams[@]}")
+  tier engines 'binary(engines)' "$@"
 }
 
 times=()
 run_tier() {
-  local name=$1 start=$SECONDS
+  local name=$1 start=$SECONDS status=0
   shift
   echo "test.sh: $name tier" >&2
-  "$name" "$@"
+  "$name" "$@" || status=$?
   times+=("$name $(( SECONDS - start )) s")
+  [ "$status" = 0 ] || { echo "test.sh: $name tier failed in $(( SECONDS - start )) s" >&2; return "$status"; }
   echo "test.sh: $name tier passed in $(( SECONDS - start )) s" >&2
 }
 
 case "$tier" in
-  all) run_tier fast "$@"; run_tier engines "$@" ;;
+  # The engines' Python suites start with the fast tier, whose tests leave about half the CPU idle;
+  # if it fails they are waited for, and the engines' nextest tests do not run.
+  all)
+    start_streams engines "${engine_streams[@]}"
+    run_tier fast "$@" || { wait_streams engines || true; exit 1; }
+    run_tier engines "$@" ;;
   *) run_tier "$tier" "$@" ;;
 esac
 echo "test.sh: tiers: $(IFS=,; echo "${times[*]}" | sed 's/,/, /g')" >&2

@@ -206,8 +206,10 @@ mlx_cuda() {
 # Both daemons' configs for a prefill box on one GPU, derived from deploy/examples/: the decoder's
 # folder, vLLM's, the plugin's handoff, vLLM's share of the GPU; bf16 and 128K prompts.
 box_configs() {
-  local box=$1 decoder=$2 prefill=$3 handoff=$4 share=$5 kv=() link=()
+  local box=$1 decoder=$2 prefill=$3 handoff=$4 share=$5 kv=() link=() async=()
   [ -z "${KV_BITS:-}" ] || kv=(-e "s|^# kv_bits = .*|kv_bits = $KV_BITS|")
+  # ASYNC_SCHEDULING=1: vLLM's default async scheduling, which the example config turns off.
+  [ -z "${ASYNC_SCHEDULING:-}" ] || async=(-e 's|, "--no-async-scheduling"||')
   # LINK_GBPS: prefilld's Push held to that rate (stream.link_gbps), the link to a Mac emulated.
   [ -z "${LINK_GBPS:-}" ] || link=(-e "s|^\[stream\]|[stream]\nlink_gbps = $LINK_GBPS|")
   sed -e "s|^model = .*|model = \"$decoder\"|" -e 's|^dtype = .*|dtype = "bfloat16"|' "${kv[@]}" \
@@ -215,7 +217,7 @@ box_configs() {
   sed -e "s|^model = .*|model = \"$prefill\"|" -e 's|^dtype = .*|dtype = "bfloat16"|' \
     -e 's|^max_model_len = .*|max_model_len = 135168|' -e "s|\"--gpu-memory-utilization\", \"0.5\"|\"--gpu-memory-utilization\", \"$share\"|" \
     -e "s|^handoff = .*|handoff = \"$handoff\"|" \
-    -e "s|^connections = .*|connections = ${STREAM_CONNECTIONS:-4}|" "${link[@]}" deploy/examples/prefilld-cuda.toml >"$box/prefilld.toml"
+    -e "s|^connections = .*|connections = ${STREAM_CONNECTIONS:-4}|" "${link[@]}" "${async[@]}" deploy/examples/prefilld-cuda.toml >"$box/prefilld.toml"
 }
 
 # prefill_box.py's native phase under `limit` seconds, its tables and log in `results`: vLLM alone
@@ -251,7 +253,7 @@ prefill_box() {
     case "${1:-}" in host | device | auto) handoff=$1; shift ;; esac
     [ "$setting" = 4bit ] || decoder=models/llama8b-hf
     box_configs "$box" "$decoder" models/llama8b-hf "$handoff" 0.7
-    setting=$setting${KV_BITS:+-kv$KV_BITS}${LINK_GBPS:+-link$LINK_GBPS}-$handoff
+    setting=$setting${KV_BITS:+-kv$KV_BITS}${LINK_GBPS:+-link$LINK_GBPS}${ASYNC_SCHEDULING:+-async}-$handoff
     DECODED_CONFIG="$box/decoded.toml" PREFILLD_CONFIG="$box/prefilld.toml" start &&
       PYTHONPATH=bench PYTHONUNBUFFERED=1 timeout "$limit" \
         .venv/bin/python bench/gpu/prefill_box.py bridged --out "$box/results/$setting" "$@" 2>&1 |

