@@ -109,7 +109,8 @@ fast() {
 
 engines() {
   streams=("${engine_streams[@]}")
-  tier engines 'binary(engines)' "$@"
+  # A thread for each lane of .config/nextest.toml (a --test-threads argument still wins).
+  NEXTEST_TEST_THREADS=3 tier engines 'binary(engines)' "$@"
 }
 
 times=()

@@ -13,8 +13,9 @@ use serde_json::{Value, json};
 const ENDLESS: &str = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,";
 /// Long enough for any short request (5 prompt tokens, 2 answered) on a busy CI machine once the
 /// engine is warm (its first answer reads the weights), far shorter than an endless generation
-/// (thousands of tokens at ~10 tokens/s); each deadline below is waited out twice.
-const REQUEST_TIMEOUT_S: u64 = 12;
+/// (thousands of tokens at ~10 tokens/s); each deadline below is waited out twice, the endless
+/// answer generating all the while.
+const REQUEST_TIMEOUT_S: u64 = 15;
 
 /// decoded with its real engine, a store under `scratch`, blocks of 32 and
 /// `front` (more `[front]` keys); ready.
