@@ -79,12 +79,13 @@ wait_streams() {
   return "$status"
 }
 
-# A tier: its streams (unless started earlier) beside the nextest tests of filter $2 (whose groups,
-# .config/nextest.toml, say what runs at once).
+# A tier: its streams (`<name>_streams`, unless started earlier) beside the nextest tests of filter
+# $2 (whose groups, .config/nextest.toml, say what runs at once).
 tier() {
   local name=$1 filter=$2 status=0
+  local -n suites="${name}_streams"
   shift 2
-  [ -n "${stream_pids[$name]:-}" ] || start_streams "$name" "${streams[@]}"
+  [ -n "${stream_pids[$name]:-}" ] || start_streams "$name" "${suites[@]}"
   cargo nextest run --workspace --locked --no-fail-fast -E "$filter" "$@" || status=$?
   wait_streams "$name" || status=$?
   return "$status"
@@ -99,16 +100,14 @@ fast_streams=("decoded/engine/tests test_chat.py"
                prefilld/engine/tests test_link.py prefilld/engine/tests test_kv_quant.py
                prefilld/engine/tests test_ring.py prefilld/engine/tests test_kv_quant_fused.py
                bench/gpu test_carry.py")
-engine_streams=("decoded/engine/tests test_adapter.py prefilld/engine/tests test_plugin.py
+engines_streams=("decoded/engine/tests test_adapter.py prefilld/engine/tests test_plugin.py
                  prefilld/engine/tests test_reconstruct.py prefilld/engine/tests test_deepseek_v41*.py")
 
 fast() {
-  streams=("${fast_streams[@]}")
   tier fast 'not binary(engines)' "$@"
 }
 
 engines() {
-  streams=("${engine_streams[@]}")
   # A thread for each lane of .config/nextest.toml (a --test-threads argument still wins).
   NEXTEST_TEST_THREADS=3 tier engines 'binary(engines)' "$@"
 }
@@ -128,7 +127,7 @@ case "$tier" in
   # The engines' Python suites start with the fast tier, whose tests leave about half the CPU idle;
   # if it fails they are waited for, and the engines' nextest tests do not run.
   all)
-    start_streams engines "${engine_streams[@]}"
+    start_streams engines "${engines_streams[@]}"
     run_tier fast "$@" || { wait_streams engines || true; exit 1; }
     run_tier engines "$@" ;;
   *) run_tier "$tier" "$@" ;;

@@ -26,13 +26,11 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 
 def differing_groups(a, b, group_size: int, bits: int) -> set[int]:
     """Indices (over all groups) where any part of `a` and `b` differs."""
-    words_per_group = group_size * bits // 32
     groups = set()
     for name, x, y in zip(PARTS, a, b):
-        diff = (x.view(torch.uint8) != y.view(torch.uint8)).reshape(x.shape[:-1] + (-1,))
-        per = words_per_group * 4 if name == "codes" else x.element_size()
-        flat = diff.reshape(-1, per).any(-1)
-        groups |= set(flat.nonzero().flatten().tolist())
+        per = group_size * bits // 8 if name == "codes" else x.element_size()  # bytes per group
+        differs = (x.view(torch.uint8) != y.view(torch.uint8)).reshape(-1, per).any(-1)
+        groups |= set(differs.nonzero().flatten().tolist())
     return groups
 
 
@@ -61,7 +59,7 @@ def main() -> None:
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     results = []
-    for name, dtype in DTYPES.items():
+    for dtype in DTYPES.values():
         for bits in (4, 8):
             for group_size in (32, 64, 128):
                 row = compare(dtype, group_size, bits, seed=len(results))
