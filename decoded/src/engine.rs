@@ -86,22 +86,16 @@ pub struct GenerateRequest<'a> {
     /// file format, when prefilld bridged it for this request.
     pub tail: Option<&'a Path>,
     pub spec_fingerprint: &'a str,
-    pub max_tokens: u32,
-    pub temperature: f32,
-    pub top_p: f32,
-    pub seed: Option<u64>,
-    /// Stop sequences, applied by the adapter to the streamed text.
-    pub stop: &'a [String],
-    pub presence_penalty: f32,
-    pub frequency_penalty: f32,
-    /// Each token's log probability with this many alternatives; None: off.
-    pub logprobs: Option<u32>,
+    /// Its `max_tokens` set: the front door has fit it to the context.
+    pub sampling: Sampling,
     /// The request's tool definitions: the adapter parses tool calls out of the answer.
     pub tools: Option<&'a serde_json::Value>,
 }
 
 /// The last line of a generation: finish reason, usage, timings, held-back text.
 pub use pdbridge_common::proto::engine::GenerateSummary;
+/// How a generation chooses its tokens.
+pub use pdbridge_common::proto::engine::Sampling;
 /// A tool call the model made, parsed by mlx-lm's tool parser for the chat template.
 pub use pdbridge_common::proto::engine::ToolCall;
 
@@ -211,14 +205,7 @@ impl Engine {
             blocks: req.blocks.iter().map(|b| path_text(b)).collect::<Result<_, _>>()?,
             tail: req.tail.map(path_text).transpose()?,
             spec_fingerprint: req.spec_fingerprint.to_owned(),
-            max_tokens: Some(req.max_tokens),
-            temperature: decimal(req.temperature),
-            top_p: Some(decimal(req.top_p)),
-            seed: req.seed,
-            stop: req.stop.to_vec(),
-            presence_penalty: decimal(req.presence_penalty),
-            frequency_penalty: decimal(req.frequency_penalty),
-            logprobs: req.logprobs,
+            sampling: Some(req.sampling.clone()),
             tools_json: req.tools.map(|t| t.to_string()).unwrap_or_default(),
         };
         let sent_at = SystemTime::now();
@@ -348,12 +335,6 @@ fn engine_error(err: wire::Error) -> EngineError {
 /// A path as the adapter's JSON carries it (text).
 fn path_text(path: &Path) -> Result<String, EngineError> {
     path.to_str().map(str::to_owned).ok_or_else(|| EngineError::Protocol(format!("path {path:?} is not UTF-8")))
-}
-
-/// An `f32` sampling parameter as the decimal the client wrote (0.7, not 0.699999988…): the
-/// adapter samples with what the client asked for.
-fn decimal(v: f32) -> f64 {
-    v.to_string().parse().unwrap_or(f64::from(v))
 }
 
 /// The decoder's identity from its `info` reply: the spec completed with what the adapter leaves

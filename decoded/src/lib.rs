@@ -2,13 +2,12 @@
 //! serves `CacheStore` to prefill daemons, and (with its engine) answers the
 //! OpenAI-compatible front door.
 
+pub mod api;
 pub mod config;
-pub mod dialects;
 pub mod engine;
 pub mod front;
 pub mod inflight;
 pub mod ingest;
-pub mod openai;
 pub mod reconstruct;
 pub mod service;
 pub mod store;

@@ -35,8 +35,8 @@ unusable block's index in the request's `blocks`; the tail's is len(blocks)).
   would prefill. What a template renders travels as JSON text, numbers as the
   client wrote them.
 * `{"generate": {"tokens", "blocks"?, "tail"?, "spec_fingerprint"?,
-  "max_tokens"?, "temperature"?, "top_p"?, "seed"?, "stop"?,
-  "presence_penalty"?, "frequency_penalty"?, "logprobs"?, "tools_json"?}}` ->
+  "sampling"?: {"max_tokens"?, "temperature"?, "top_p"?, "seed"?, "stop"?,
+  "presence_penalty"?, "frequency_penalty"?, "logprobs"?}, "tools_json"?}}` ->
   a `{"token": {"id", "text", "logprob"?, "tool_calls"?}}` line per generated
   token, then `{"done": {"finish_reason": "stop"|"length"|"tool_calls",
   "prompt_tokens", "cached_tokens", "completion_tokens", "timings_ms": {"queue",

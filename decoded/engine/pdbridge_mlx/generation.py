@@ -58,7 +58,8 @@ class Params:
     def parse(cls, req: engine_pb2.GenerateRequest, vocab: int, block_tokens: int) -> "Params":
         """The request's values, held to their ranges (the schema has already held them to their types)."""
         tokens = parse_tokens(req.tokens, vocab)
-        top_logprobs = req.logprobs if req.HasField("logprobs") else None
+        sampling = req.sampling
+        top_logprobs = sampling.logprobs if sampling.HasField("logprobs") else None
         if top_logprobs is not None and top_logprobs > MAX_TOP_LOGPROBS:
             raise BadRequest(f"logprobs must be unset or the number of alternatives, 0 to {MAX_TOP_LOGPROBS}")
         blocks = list(req.blocks)
@@ -66,7 +67,7 @@ class Params:
             raise BadRequest(
                 f"{len(blocks)} blocks of {block_tokens} tokens cover more than the {len(tokens)}-token prompt"
             )
-        stops = list(req.stop)
+        stops = list(sampling.stop)
         if not all(stops):
             raise BadRequest("stop must be a list of non-empty strings")
         tools = None
@@ -78,17 +79,18 @@ class Params:
             if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
                 raise BadRequest("tools must be a list of objects")
             tools = tools or None
-        max_tokens = req.max_tokens if req.HasField("max_tokens") else 256
+        max_tokens = sampling.max_tokens if sampling.HasField("max_tokens") else 256
         if max_tokens < 1:
             raise BadRequest("max_tokens must be an integer >= 1")
         return cls(
             tokens=tokens,
             max_tokens=max_tokens,
-            temperature=_float("temperature", req.temperature, lo=0.0),
-            top_p=_float("top_p", req.top_p if req.HasField("top_p") else 1.0, lo=0.0, hi=1.0),
-            seed=req.seed if req.HasField("seed") else None,
-            presence_penalty=_float("presence_penalty", req.presence_penalty, lo=PENALTY_RANGE[0], hi=PENALTY_RANGE[1]),
-            frequency_penalty=_float("frequency_penalty", req.frequency_penalty, lo=PENALTY_RANGE[0],
+            temperature=_float("temperature", sampling.temperature, lo=0.0),
+            top_p=_float("top_p", sampling.top_p if sampling.HasField("top_p") else 1.0, lo=0.0, hi=1.0),
+            seed=sampling.seed if sampling.HasField("seed") else None,
+            presence_penalty=_float("presence_penalty", sampling.presence_penalty, lo=PENALTY_RANGE[0],
+                                    hi=PENALTY_RANGE[1]),
+            frequency_penalty=_float("frequency_penalty", sampling.frequency_penalty, lo=PENALTY_RANGE[0],
                                      hi=PENALTY_RANGE[1]),
             top_logprobs=top_logprobs,
             blocks=blocks,

@@ -50,15 +50,22 @@ MAX_TOKENS = 24
 
 # Request fields a chat template renders: JSON text on the wire (engine.proto says why).
 _AS_JSON_TEXT = {"messages": "messages_json", "tools": "tools_json"}
+# A generate request's fields that travel in its `sampling` message.
+_SAMPLING = {f.name for f in engine_pb2.Sampling.DESCRIPTOR.fields}
 
 
 def wire(obj: dict) -> bytes:
     """A request written here as {"op": name, field: value, ...}, as the line engine.proto's
-    `Request` is: {name: {field: value, ...}}, with JSON values as JSON text."""
+    `Request` is: {name: {field: value, ...}}, with JSON values as JSON text and a generate
+    request's sampling fields in its `sampling`."""
     obj = dict(obj)
     op = obj.pop("op")
     fields = {_AS_JSON_TEXT.get(k, k): json.dumps(v) if k in _AS_JSON_TEXT else v
               for k, v in obj.items() if v is not None}
+    if op == "generate":
+        sampling = {k: fields.pop(k) for k in _SAMPLING & fields.keys()}
+        if sampling:
+            fields["sampling"] = sampling
     return json.dumps({op: fields}).encode() + b"\n"
 
 

@@ -65,7 +65,10 @@ fn errors_and_tokens_read_as_decoded_handles_them() {
 
 #[test]
 fn sampling_parameters_travel_as_the_decimals_the_client_wrote() {
-    assert_eq!(decimal(0.7), 0.7);
-    assert_eq!(decimal(1.0), 1.0);
-    assert_eq!(decimal(0.95), 0.95);
+    let body = serde_json::json!({"temperature": 0.7, "top_p": 0.95, "presence_penalty": 0.1});
+    let asked = crate::api::openai::asked(&body, crate::api::Api::Chat).unwrap();
+    let line = serde_json::to_value(&asked.sampling).unwrap();
+    for (key, value) in [("temperature", 0.7), ("top_p", 0.95), ("presence_penalty", 0.1)] {
+        assert_eq!(line[key], value, "{line}");
+    }
 }

@@ -23,15 +23,13 @@ use tracing::{Instrument, Span};
 use super::{
     Admitted,
     costs::{Costs, EngineSample},
-    error::FrontError,
     ms,
     plan::Prompt,
     verdict::{self, Verdict, record_outcome, record_stages, record_ttft},
 };
 use crate::{
-    dialects::{self, Dialect},
+    api::{self, Api, error::FrontError, openai},
     engine::{Engine, EngineError, GenerateEvent, GenerateRequest, GenerateSummary, Generation, ToolCall},
-    openai::{self, Kind},
     store::{Lease, Tail},
 };
 
@@ -44,28 +42,22 @@ pub struct Choices {
     pub blocks: Vec<PathBuf>,
     /// Held (its file kept) until the last answer has started.
     pub tail: Option<Tail>,
-    pub max_tokens: u32,
-    pub sampling: openai::Sampling,
+    /// Its sampling's `max_tokens` fit to the context.
+    pub asked: openai::Asked,
     pub tools: Option<Value>,
 }
 
 impl Choices {
     /// The adapter's request for answer `index`; sampled answers differ by seed (`seed + index`).
     fn request(&self, index: u32) -> GenerateRequest<'_> {
-        let sampling = &self.sampling;
+        let mut sampling = self.asked.sampling.clone();
+        sampling.seed = sampling.seed.map(|seed| seed + u64::from(index));
         GenerateRequest {
             tokens: &self.prompt.tokens,
             blocks: &self.blocks,
             tail: self.tail.as_ref().map(Tail::path),
             spec_fingerprint: &self.prompt.spec_fingerprint,
-            max_tokens: self.max_tokens,
-            temperature: sampling.temperature,
-            top_p: sampling.top_p,
-            seed: sampling.seed.map(|seed| seed + u64::from(index)),
-            stop: &sampling.stop,
-            presence_penalty: sampling.presence_penalty,
-            frequency_penalty: sampling.frequency_penalty,
-            logprobs: sampling.logprobs,
+            sampling,
             tools: self.tools.as_ref(),
         }
     }
@@ -99,7 +91,7 @@ impl Names {
 
 /// A request's answers, the first already started.
 pub struct Answers {
-    pub kind: Kind,
+    pub api: Api,
     /// When the request came in.
     pub started: Instant,
     pub verdict: Verdict,
@@ -151,10 +143,10 @@ trait Sink {
 }
 
 impl Answers {
-    /// Headers now, with the verdict as planned; the events (chat chunks, or told in `dialect`)
-    /// follow from a task that holds the lease and the admission until the last one, within the
+    /// Headers now, with the verdict as planned; the events (chat chunks, or told in the request's
+    /// API) follow from a task that holds the lease and the admission until the last one, within the
     /// request's deadline.
-    pub fn stream(mut self, names: Names, admitted: Admitted, dialect: Dialect) -> Response {
+    pub fn stream(mut self, names: Names, admitted: Admitted) -> Response {
         let (tx, rx) = mpsc::channel::<Event>(16);
         let events = tokio_stream::StreamExt::map(tokio_stream::wrappers::ReceiverStream::new(rx), Ok::<_, Infallible>);
         let mut response = Sse::new(events).into_response();
@@ -162,16 +154,16 @@ impl Answers {
         tokio::spawn(
             async move {
                 let Admitted { permit: _permit, deadline } = admitted;
-                let include_usage = self.choices.sampling.include_usage;
+                let include_usage = self.choices.asked.include_usage;
                 let mut sink = Streamed {
                     tx,
-                    kind: self.kind,
+                    api: self.api,
                     names,
                     calls_sent: 0,
                     completion_tokens: 0,
                     usage: None,
                     include_usage,
-                    dialect: dialect.stream(),
+                    told: self.api.stream(),
                 };
                 let answered = tokio::time::timeout_at(deadline, self.run(&mut sink)).await.unwrap_or_else(|_| {
                     // Worded as the deadline's error event always was.
@@ -184,19 +176,19 @@ impl Answers {
         response
     }
 
-    /// One completion with every answer (in `dialect`); the verdict, final, in its header.
-    pub async fn collect(mut self, names: &Names, dialect: Dialect) -> Result<Response, FrontError> {
-        let mut sink = Collected::new(self.kind, self.choices.sampling.logprobs.is_some());
+    /// One completion with every answer (in the request's API); the verdict, final, in its header.
+    pub async fn collect(mut self, names: &Names) -> Result<Response, FrontError> {
+        let mut sink = Collected::new(self.api, self.choices.asked.sampling.logprobs.is_some());
         self.run(&mut sink).await?;
         drop(self.lease);
         self.verdict.timings_ms.insert("total".into(), ms(self.started));
-        sink.respond(names, self.verdict, dialect)
+        sink.respond(names, self.verdict)
     }
 
     /// The event loop: every answer in turn, each event into `sink`. What the engine restored is
     /// checked and the request counted here, the same for both sinks.
     async fn run(&mut self, sink: &mut impl Sink) -> Result<(), Cut> {
-        let n = self.choices.sampling.n;
+        let n = self.choices.asked.n;
         let mut first_summary = None;
         for index in 0..n {
             let mut generation = match self.first.take() {
@@ -283,7 +275,7 @@ fn check_restored(verdict: &Verdict, summary: &GenerateSummary) -> Result<(), Fr
 /// Server-sent events: a chunk per token as it comes (the headers left before the first).
 struct Streamed {
     tx: mpsc::Sender<Event>,
-    kind: Kind,
+    api: Api,
     names: Names,
     /// The current answer's tool calls so far: a delta's calls are numbered within its choice.
     calls_sent: usize,
@@ -294,14 +286,14 @@ struct Streamed {
     usage: Option<Value>,
     include_usage: bool,
     /// Another API's events for the chunks; none: the chunks as they are.
-    dialect: Option<Box<dyn dialects::Stream>>,
+    told: Option<Box<dyn api::Stream>>,
 }
 
 impl Streamed {
-    /// A chat chunk, or the events it makes in the request's dialect.
+    /// A chat chunk, or the events it makes in the request's API.
     async fn send(&mut self, chunk: &Value) -> Result<(), Cut> {
-        let events = match self.dialect.as_mut() {
-            Some(dialect) => dialect.chunk(chunk).into_iter().map(sse).collect(),
+        let events = match self.told.as_mut() {
+            Some(told) => told.chunk(chunk).into_iter().map(sse).collect(),
             None => vec![Event::default().data(chunk.to_string())],
         };
         self.send_events(events).await
@@ -314,24 +306,24 @@ impl Streamed {
         Ok(())
     }
 
-    /// The usage chunk (when asked for) and `[DONE]` after the last answer (or the dialect's
+    /// The usage chunk (when asked for) and `[DONE]` after the last answer (or the API's
     /// last events); after a failure its error, and no `[DONE]`.
     async fn end(mut self, answered: Result<(), Cut>) {
         let last = match answered {
             Ok(()) => {
                 if let Some(usage) = self.usage.clone().filter(|_| self.include_usage)
-                    && self.send(&openai::usage_chunk(self.kind, self.names.ids(), usage)).await.is_err()
+                    && self.send(&openai::usage_chunk(self.api, self.names.ids(), usage)).await.is_err()
                 {
                     return;
                 }
-                match self.dialect.as_mut() {
-                    Some(dialect) => dialect.end().into_iter().map(sse).collect(),
+                match self.told.as_mut() {
+                    Some(told) => told.end().into_iter().map(sse).collect(),
                     None => vec![Event::default().data("[DONE]")],
                 }
             }
             Err(Cut::Left) => return,
-            Err(e) => match self.dialect.as_mut() {
-                Some(dialect) => dialect.error(&e.to_string()).into_iter().map(sse).collect(),
+            Err(e) => match self.told.as_mut() {
+                Some(told) => told.error(&e.to_string()).into_iter().map(sse).collect(),
                 None => vec![Event::default().data(stream_error(e).to_string())],
             },
         };
@@ -342,13 +334,13 @@ impl Streamed {
 impl Sink for Streamed {
     async fn token(&mut self, index: u32, Piece { text, logprob, tool_calls }: Piece) -> Result<(), Cut> {
         let text = Some(text.as_str()).filter(|t| !t.is_empty() || tool_calls.is_empty());
-        let mut chunk = openai::chunk(self.kind, self.names.ids(), index, text, None);
+        let mut chunk = openai::chunk(self.api, self.names.ids(), index, text, None);
         if !tool_calls.is_empty() {
             openai::add_tool_calls(&mut chunk, &tool_calls, self.calls_sent);
             self.calls_sent += tool_calls.len();
         }
         if let Some(entry) = logprob {
-            chunk["choices"][0]["logprobs"] = openai::logprobs(self.kind, &[entry]);
+            chunk["choices"][0]["logprobs"] = openai::logprobs(self.api, &[entry]);
         }
         self.send(&chunk).await
     }
@@ -358,7 +350,7 @@ impl Sink for Streamed {
         // Text the adapter held back to the end (a partial character, a possible stop sequence
         // that never completed) ends the answer.
         let held = Some(summary.text.as_str()).filter(|t| !t.is_empty());
-        let mut chunk = openai::chunk(self.kind, self.names.ids(), index, held, Some(&summary.finish_reason));
+        let mut chunk = openai::chunk(self.api, self.names.ids(), index, held, Some(&summary.finish_reason));
         openai::add_stop_reason(&mut chunk["choices"][0], &summary.stop_sequence);
         if !summary.tool_calls.is_empty() {
             openai::add_tool_calls(&mut chunk, &summary.tool_calls, self.calls_sent);
@@ -373,8 +365,8 @@ impl Sink for Streamed {
     }
 }
 
-/// A dialect's event as a server-sent event.
-fn sse(event: dialects::SseEvent) -> Event {
+/// Another API's event as a server-sent event.
+fn sse(event: api::SseEvent) -> Event {
     Event::default().event(event.name).data(event.data.to_string())
 }
 
@@ -385,7 +377,7 @@ fn stream_error(e: impl std::fmt::Display) -> Value {
 
 /// One JSON completion: the answers collected, then sent whole.
 struct Collected {
-    kind: Kind,
+    api: Api,
     logprobs: bool,
     /// The current answer so far.
     text: String,
@@ -398,9 +390,9 @@ struct Collected {
 }
 
 impl Collected {
-    fn new(kind: Kind, logprobs: bool) -> Collected {
+    fn new(api: Api, logprobs: bool) -> Collected {
         Collected {
-            kind,
+            api,
             logprobs,
             text: String::new(),
             entries: Vec::new(),
@@ -411,14 +403,14 @@ impl Collected {
         }
     }
 
-    fn respond(self, names: &Names, mut verdict: Verdict, dialect: Dialect) -> Result<Response, FrontError> {
+    fn respond(self, names: &Names, mut verdict: Verdict) -> Result<Response, FrontError> {
         let first = self.first.ok_or_else(|| FrontError::Engine("no answer was generated".into()))?;
         for (stage, value) in &first.timings_ms {
             verdict.timings_ms.insert(format!("engine_{stage}"), *value);
         }
-        let mut body = openai::completion(self.kind, &names.id, names.created, &names.model, self.choices);
+        let mut body = openai::completion(self.api, &names.id, names.created, &names.model, self.choices);
         body["usage"] = openai::usage(first.prompt_tokens, self.completion_tokens, first.cached_tokens);
-        let mut response = Json(dialect.whole(body)).into_response();
+        let mut response = Json(self.api.whole(body)).into_response();
         verdict::set(&mut response, &verdict);
         Ok(response)
     }
@@ -438,8 +430,8 @@ impl Sink for Collected {
         let mut calls = std::mem::take(&mut self.calls);
         calls.extend(summary.tool_calls.iter().cloned());
         let entries = std::mem::take(&mut self.entries);
-        let logprobs = self.logprobs.then(|| openai::logprobs(self.kind, &entries));
-        let mut choice = openai::choice(self.kind, index, &text, &summary.finish_reason, logprobs, &calls);
+        let logprobs = self.logprobs.then(|| openai::logprobs(self.api, &entries));
+        let mut choice = openai::choice(self.api, index, &text, &summary.finish_reason, logprobs, &calls);
         openai::add_stop_reason(&mut choice, &summary.stop_sequence);
         self.choices.push(choice);
         self.completion_tokens += summary.completion_tokens;

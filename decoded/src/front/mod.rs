@@ -1,7 +1,7 @@
-//! The OpenAI-compatible front door (`/v1/chat/completions`, `/v1/completions`,
-//! `/v1/models`, and the APIs coding tools speak: OpenAI's `/v1/responses` and Anthropic's
-//! `/v1/messages`, as translations of a chat, `crate::dialects`), which decides per request
-//! whether to bridge or to serve natively and says which in the `X-PD-Bridge` header.
+//! The front door (`/v1/chat/completions`, `/v1/completions`, `/v1/models`, and the APIs coding
+//! tools speak: OpenAI's `/v1/responses` and Anthropic's `/v1/messages`; their wire formats are
+//! `crate::api`), which decides per request whether to bridge or to serve natively and says which
+//! in the `X-PD-Bridge` header.
 //!
 //! Per request: tokenize with the decoder's own tokenizer, look up the cached
 //! prefix, and — when the uncached whole blocks reach `front.min_bridge_tokens`
@@ -14,13 +14,11 @@
 //! This module serves requests: admission, the deadline, tokenizing, and starting the first
 //! answer; `plan` decides how a prompt is served and runs its bridge (`policy` the decision,
 //! `failover` the verdict on a bridge's attempts, `prefiller` the prefilld client), `answer`
-//! generates the answers into SSE or JSON. The OpenAI wire format is `crate::openai`, the verdict
-//! and its metrics `verdict`, API keys `auth`, errors `error`.
+//! generates the answers into SSE or JSON in the request's API, the verdict and its metrics
+//! `verdict`.
 
 mod answer;
-mod auth;
 mod costs;
-mod error;
 mod failover;
 mod peers;
 mod plan;
@@ -46,16 +44,14 @@ use tokio::{
 use tracing::{Instrument, Span, field::Empty};
 
 use crate::{
+    api::{Api, auth, error::FrontError, messages, openai},
     config::{ApiKey, FrontConfig},
-    dialects::{self, Dialect},
     engine::{Engine, EngineError, Generation, TokenizeInput},
     inflight::Bridges,
-    openai::{self, Kind},
     store::{Lease, Store},
 };
 use answer::{Answers, Choices, Names};
 use costs::Costs;
-use error::FrontError;
 use peers::Peers;
 use plan::Prompt;
 use policy::Mode;
@@ -90,21 +86,9 @@ struct Admitted {
 
 /// The API a request came in on and the request as the client sent it (what a peer is forwarded).
 #[derive(Clone, Copy)]
-struct Api<'a> {
-    kind: Kind,
-    dialect: Dialect,
-    sent: &'a Value,
-}
-
-impl Api<'_> {
-    fn path(&self) -> &'static str {
-        match (self.kind, self.dialect) {
-            (Kind::Text, _) => "/v1/completions",
-            (Kind::Chat, Dialect::Chat) => "/v1/chat/completions",
-            (Kind::Chat, Dialect::Responses) => "/v1/responses",
-            (Kind::Chat, Dialect::Messages) => "/v1/messages",
-        }
-    }
+struct Sent<'a> {
+    api: Api,
+    body: &'a Value,
 }
 
 pub fn router(
@@ -179,23 +163,16 @@ async fn tokenize(State(front): State<Front>, Body(body): Body) -> Result<Json<V
     Ok(Json(json!({"tokens": tokens, "block_tokens": block_tokens})))
 }
 
-async fn chat(State(front): State<Front>, headers: HeaderMap, Body(body): Body) -> Result<Response, FrontError> {
-    front.chat(&headers, &body, Dialect::Chat, &body).await
+async fn chat(State(front): State<Front>, headers: HeaderMap, body: Result<Body, FrontError>) -> Response {
+    front.chat_in(Api::Chat, &headers, body).await
 }
 
-async fn responses(State(front): State<Front>, headers: HeaderMap, Body(body): Body) -> Result<Response, FrontError> {
-    let chat = dialects::responses::chat_request(&body)?;
-    front.chat(&headers, &chat, Dialect::Responses, &body).await
+async fn responses(State(front): State<Front>, headers: HeaderMap, body: Result<Body, FrontError>) -> Response {
+    front.chat_in(Api::Responses, &headers, body).await
 }
 
-/// Anthropic's Messages API, its errors in Anthropic's shape too.
 async fn messages(State(front): State<Front>, headers: HeaderMap, body: Result<Body, FrontError>) -> Response {
-    let answered = async {
-        let Body(sent) = body?;
-        let chat = dialects::messages::chat_request(&sent)?;
-        front.chat(&headers, &chat, Dialect::Messages, &sent).await
-    };
-    answered.await.unwrap_or_else(FrontError::into_anthropic_response)
+    front.chat_in(Api::Messages, &headers, body).await
 }
 
 /// Anthropic's token count of a Messages request: its chat through the decoder's own tokenizer and
@@ -208,13 +185,13 @@ async fn count_tokens(State(front): State<Front>, body: Result<Body, FrontError>
         if let Some(fields) = sent.as_object_mut() {
             fields.entry("max_tokens").or_insert(json!(1));
         }
-        let chat = dialects::messages::chat_request(&sent)?;
+        let chat = messages::chat_request(&sent)?;
         let messages = openai::chat_messages(&chat)?;
         let engine = front.engine.as_ref().ok_or(FrontError::EngineUnavailable)?;
         let tokens = engine.tokenize(chat_input(&front.config, &messages, openai::tools(&chat)?)).await?;
         Ok(Json(json!({"input_tokens": tokens.len()})).into_response())
     };
-    counted.await.unwrap_or_else(FrontError::into_anthropic_response)
+    Api::Messages.respond(counted.await)
 }
 
 /// A chat as this front door has the decoder tokenize it (the native and the bridged answer both
@@ -224,11 +201,17 @@ fn chat_input<'a>(config: &FrontConfig, messages: &'a Value, tools: Option<&'a V
     TokenizeInput::Chat { messages, add_generation_prompt: true, tools, allow_special_tokens }
 }
 
-async fn completions(State(front): State<Front>, headers: HeaderMap, Body(body): Body) -> Result<Response, FrontError> {
-    let prompt =
-        body.get("prompt").and_then(Value::as_str).ok_or(FrontError::BadRequest("`prompt` must be a string".into()))?;
-    let api = Api { kind: Kind::Text, dialect: Dialect::Chat, sent: &body };
-    front.complete(&headers, &body, TokenizeInput::Text { prompt }, api).await
+async fn completions(State(front): State<Front>, headers: HeaderMap, body: Result<Body, FrontError>) -> Response {
+    let answered = async {
+        let Body(body) = body?;
+        let prompt = body
+            .get("prompt")
+            .and_then(Value::as_str)
+            .ok_or(FrontError::BadRequest("`prompt` must be a string".into()))?;
+        let sent = Sent { api: Api::Completions, body: &body };
+        front.complete(&headers, &body, TokenizeInput::Text { prompt }, sent).await
+    };
+    Api::Completions.respond(answered.await)
 }
 
 fn mode(headers: &HeaderMap) -> Result<Mode, FrontError> {
@@ -242,19 +225,21 @@ fn mode(headers: &HeaderMap) -> Result<Mode, FrontError> {
 }
 
 impl Front {
-    /// A chat request (`body` in chat completions' shape; `sent` as the client sent it), answered
-    /// in `dialect`.
-    async fn chat(
-        &self,
-        headers: &HeaderMap,
-        body: &Value,
-        dialect: Dialect,
-        sent: &Value,
-    ) -> Result<Response, FrontError> {
+    /// A request of one of the chat APIs, answered in that API, its errors too.
+    async fn chat_in(&self, api: Api, headers: &HeaderMap, body: Result<Body, FrontError>) -> Response {
+        let answered = async {
+            let Body(sent) = body?;
+            let chat = api.chat_request(&sent)?;
+            self.chat(headers, &chat, Sent { api, body: &sent }).await
+        };
+        api.respond(answered.await)
+    }
+
+    /// A chat request (`body` in chat completions' shape), answered in the API it was sent in.
+    async fn chat(&self, headers: &HeaderMap, body: &Value, sent: Sent<'_>) -> Result<Response, FrontError> {
         let messages = openai::chat_messages(body)?;
         let tools = openai::tools(body)?;
-        let api = Api { kind: Kind::Chat, dialect, sent };
-        self.complete(headers, body, chat_input(&self.config, &messages, tools), api).await
+        self.complete(headers, body, chat_input(&self.config, &messages, tools), sent).await
     }
 
     /// A client asking for another model must not be answered by this one.
@@ -273,7 +258,7 @@ impl Front {
         headers: &HeaderMap,
         body: &Value,
         input: TokenizeInput<'_>,
-        api: Api<'_>,
+        sent: Sent<'_>,
     ) -> Result<Response, FrontError> {
         self.check_model(body)?;
         let admitted = self
@@ -286,13 +271,13 @@ impl Front {
         let span = tracing::info_span!(
             "front.request",
             otel.kind = "server",
-            http.route = api.path(),
+            http.route = sent.api.path(),
             pdbridge.outcome = Empty,
             pdbridge.prompt_tokens = Empty,
             pdbridge.cached_tokens = Empty,
         );
         traces::continue_http(&span, headers);
-        let served = self.serve(headers, body, input, api, Admitted { permit: admitted, deadline }).instrument(span);
+        let served = self.serve(headers, body, input, sent, Admitted { permit: admitted, deadline }).instrument(span);
         tokio::time::timeout_at(deadline, served).await.unwrap_or(Err(FrontError::Timeout(self.config.request_timeout)))
     }
 
@@ -302,12 +287,12 @@ impl Front {
         headers: &HeaderMap,
         body: &Value,
         input: TokenizeInput<'_>,
-        api: Api<'_>,
+        sent: Sent<'_>,
         admitted: Admitted,
     ) -> Result<Response, FrontError> {
         let started = Instant::now();
         let mode = mode(headers)?;
-        let sampling = openai::sampling(body, api.kind)?;
+        let mut asked = openai::asked(body, sent.api)?;
         let tools = match input {
             TokenizeInput::Chat { tools, .. } => tools.cloned(),
             TokenizeInput::Text { .. } => None,
@@ -320,18 +305,17 @@ impl Front {
         }
         let tokenized_ms = ms(started);
         let info = engine.info()?;
-        let max_tokens = openai::generation_budget(
-            sampling.max_tokens,
+        asked.sampling.max_tokens = Some(openai::generation_budget(
+            asked.sampling.max_tokens,
             self.config.default_max_tokens,
             tokens.len(),
             info.spec.max_context,
-        )?;
+        )?);
         let prompt = Prompt::new(&info.spec, tokens);
-        if let Some(forwarded) = self.forward_to_peer(&prompt, mode, headers, api).await {
+        if let Some(forwarded) = self.forward_to_peer(&prompt, mode, headers, sent).await {
             return Ok(forwarded);
         }
-        let mut choices =
-            Choices { engine: engine.clone(), prompt, blocks: Vec::new(), tail: None, max_tokens, sampling, tools };
+        let mut choices = Choices { engine: engine.clone(), prompt, blocks: Vec::new(), tail: None, asked, tools };
         let (mut verdict, lease, first) = self.start(&mut choices, mode).await?;
         let span = Span::current();
         span.record("pdbridge.outcome", verdict.outcome.label());
@@ -340,11 +324,10 @@ impl Front {
         verdict.timings_ms.insert("tokenize".into(), tokenized_ms);
         verdict.timings_ms.insert("generate_start".into(), ms(started));
         let names = Names::new(self.config.model_name.clone());
-        let stream = choices.sampling.stream;
+        let stream = choices.asked.stream;
         let costs = self.costs.clone();
-        let answers = Answers { kind: api.kind, started, verdict, choices, lease, first: Some(first), costs };
-        let dialect = api.dialect;
-        if stream { Ok(answers.stream(names, admitted, dialect)) } else { answers.collect(&names, dialect).await }
+        let answers = Answers { api: sent.api, started, verdict, choices, lease, first: Some(first), costs };
+        if stream { Ok(answers.stream(names, admitted)) } else { answers.collect(&names).await }
     }
 
     /// A peer's answer to this request, when a peer holds more of its prompt than this store and
@@ -356,7 +339,7 @@ impl Front {
         prompt: &Prompt,
         mode: Mode,
         headers: &HeaderMap,
-        api: Api<'_>,
+        sent: Sent<'_>,
     ) -> Option<Response> {
         if mode != Mode::Auto || self.peers.is_empty() || headers.contains_key(peers::FORWARDED_HEADER) {
             return None;
@@ -367,7 +350,7 @@ impl Front {
         }
         let holder = self.peers.holding_more(&prompt.tokens, &prompt.spec_fingerprint, cached).await?;
         let span = tracing::info_span!("front.peer_forward", otel.kind = "client", pdbridge.peer = holder.name());
-        match self.peers.forward(&holder, api.path(), headers, api.sent).instrument(span).await {
+        match self.peers.forward(&holder, sent.api.path(), headers, sent.body).instrument(span).await {
             Ok(answer) => Some(answer),
             Err(e) => {
                 let (peer, blocks) = (holder.name(), holder.blocks);

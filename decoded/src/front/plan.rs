@@ -13,13 +13,15 @@ use tracing::Instrument;
 
 use super::{
     Front,
-    error::FrontError,
     failover::{Ended, Failover, Next},
     ms,
     policy::{self, Decision, Mode, Situation, Step},
     verdict::{Outcome, Plan},
 };
-use crate::inflight::{Claim, Producing};
+use crate::{
+    api::error::FrontError,
+    inflight::{Claim, Producing},
+};
 
 /// A request's prompt: its tokens and the keys of its whole blocks under the engine's spec.
 pub struct Prompt {

@@ -12,8 +12,9 @@ use axum::{
 use pdbridge_common::reason::Reason;
 use serde_json::json;
 
-use super::verdict;
-use crate::{engine::EngineError, openai};
+use super::openai;
+use crate::engine::EngineError;
+use crate::front::verdict;
 
 #[derive(Debug, thiserror::Error)]
 pub enum FrontError {

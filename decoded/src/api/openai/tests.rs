@@ -44,80 +44,80 @@ fn list_form_content_becomes_its_text() {
 #[test]
 fn max_tokens_out_of_range_is_refused_not_truncated() {
     for bad in [json!(0), json!(-1), json!(1.5), json!("8"), json!(4_294_967_299u64)] {
-        let err = sampling_of(&json!({"max_tokens": bad})).unwrap_err();
+        let err = asked_of(&json!({"max_tokens": bad})).unwrap_err();
         assert!(err.0.contains("`max_tokens`"), "{bad}: {err}");
     }
-    let err = sampling_of(&json!({"max_completion_tokens": 0})).unwrap_err();
+    let err = asked_of(&json!({"max_completion_tokens": 0})).unwrap_err();
     assert!(err.0.contains("`max_completion_tokens`"), "{err}");
-    assert_eq!(sampling_of(&json!({"max_tokens": 7})).unwrap().max_tokens, Some(7));
-    assert_eq!(sampling_of(&json!({"max_tokens": null})).unwrap().max_tokens, None);
+    assert_eq!(asked_of(&json!({"max_tokens": 7})).unwrap().sampling.max_tokens, Some(7));
+    assert_eq!(asked_of(&json!({"max_tokens": null})).unwrap().sampling.max_tokens, None);
 }
 
 #[test]
 fn stop_is_a_string_or_up_to_four() {
-    assert_eq!(sampling_of(&json!({"stop": "5"})).unwrap().stop, ["5"]);
-    assert_eq!(sampling_of(&json!({"stop": ["a", "b"]})).unwrap().stop, ["a", "b"]);
-    assert!(sampling_of(&json!({"stop": null})).unwrap().stop.is_empty());
+    assert_eq!(asked_of(&json!({"stop": "5"})).unwrap().sampling.stop, ["5"]);
+    assert_eq!(asked_of(&json!({"stop": ["a", "b"]})).unwrap().sampling.stop, ["a", "b"]);
+    assert!(asked_of(&json!({"stop": null})).unwrap().sampling.stop.is_empty());
     for bad in [json!(""), json!(["a", ""]), json!(["a", "b", "c", "d", "e"]), json!(5), json!([1])] {
-        let err = sampling_of(&json!({"stop": bad})).unwrap_err();
+        let err = asked_of(&json!({"stop": bad})).unwrap_err();
         assert!(err.0.contains("`stop`"), "{bad}: {err}");
     }
 }
 
-fn sampling_of(body: &Value) -> Result<Sampling, InvalidRequest> {
-    sampling(body, Kind::Chat)
+fn asked_of(body: &Value) -> Result<Asked, InvalidRequest> {
+    asked(body, Api::Chat)
 }
 
 #[test]
 fn what_clients_send_by_default_is_accepted_and_n_is_bounded() {
     let defaults =
         json!({"n": 1, "logprobs": false, "presence_penalty": 0, "frequency_penalty": 0.0, "top_logprobs": null});
-    let s = sampling_of(&defaults).unwrap();
-    assert_eq!((s.logprobs, s.n), (None, 1));
-    assert_eq!(sampling_of(&json!({"n": 3})).unwrap().n, 3);
+    let s = asked_of(&defaults).unwrap();
+    assert_eq!((s.sampling.logprobs, s.n), (None, 1));
+    assert_eq!(asked_of(&json!({"n": 3})).unwrap().n, 3);
     for bad in [json!(0), json!(17), json!(1.5), json!("2")] {
-        let err = sampling_of(&json!({"n": bad})).unwrap_err();
+        let err = asked_of(&json!({"n": bad})).unwrap_err();
         assert!(err.0.contains("`n` must be an integer from 1 to 16"), "{bad}: {err}");
     }
 }
 
 #[test]
 fn logprobs_and_penalties_as_each_api_spells_them() {
-    assert_eq!(sampling_of(&json!({"logprobs": true})).unwrap().logprobs, Some(0));
-    assert_eq!(sampling_of(&json!({"logprobs": true, "top_logprobs": 3})).unwrap().logprobs, Some(3));
-    assert_eq!(sampling(&json!({"logprobs": 2}), Kind::Text).unwrap().logprobs, Some(2));
-    let s = sampling_of(&json!({"presence_penalty": 0.5, "frequency_penalty": -1})).unwrap();
-    assert_eq!((s.presence_penalty, s.frequency_penalty), (0.5, -1.0));
+    assert_eq!(asked_of(&json!({"logprobs": true})).unwrap().sampling.logprobs, Some(0));
+    assert_eq!(asked_of(&json!({"logprobs": true, "top_logprobs": 3})).unwrap().sampling.logprobs, Some(3));
+    assert_eq!(asked(&json!({"logprobs": 2}), Api::Completions).unwrap().sampling.logprobs, Some(2));
+    let s = asked_of(&json!({"presence_penalty": 0.5, "frequency_penalty": -1})).unwrap();
+    assert_eq!((s.sampling.presence_penalty, s.sampling.frequency_penalty), (0.5, -1.0));
     for (body, kind, needle) in [
-        (json!({"top_logprobs": 3}), Kind::Chat, "needs `logprobs: true`"),
-        (json!({"logprobs": true, "top_logprobs": 21}), Kind::Chat, "`top_logprobs`"),
-        (json!({"logprobs": 5}), Kind::Chat, "`logprobs` must be a boolean"),
-        (json!({"logprobs": true}), Kind::Text, "`logprobs` must be an integer"),
-        (json!({"logprobs": 6}), Kind::Text, "from 0 to 5"),
-        (json!({"presence_penalty": 2.5}), Kind::Chat, "`presence_penalty`"),
-        (json!({"frequency_penalty": "x"}), Kind::Text, "`frequency_penalty`"),
+        (json!({"top_logprobs": 3}), Api::Chat, "needs `logprobs: true`"),
+        (json!({"logprobs": true, "top_logprobs": 21}), Api::Chat, "`top_logprobs`"),
+        (json!({"logprobs": 5}), Api::Chat, "`logprobs` must be a boolean"),
+        (json!({"logprobs": true}), Api::Completions, "`logprobs` must be an integer"),
+        (json!({"logprobs": 6}), Api::Completions, "from 0 to 5"),
+        (json!({"presence_penalty": 2.5}), Api::Chat, "`presence_penalty`"),
+        (json!({"frequency_penalty": "x"}), Api::Completions, "`frequency_penalty`"),
     ] {
-        let err = sampling(&body, kind).unwrap_err();
+        let err = asked(&body, kind).unwrap_err();
         assert!(err.0.contains(needle), "{body}: {err}");
     }
 }
 
 #[test]
 fn the_usage_chunk_is_asked_for_with_stream_options_and_stands_alone() {
-    let asked = |body: Value| sampling_of(&body).map(|s| s.include_usage);
-    assert_eq!(asked(json!({"stream": true, "stream_options": {"include_usage": true}})), Ok(true));
-    assert_eq!(asked(json!({"stream": true, "stream_options": {}})), Ok(false));
-    assert_eq!(asked(json!({"stream": true})), Ok(false));
-    assert_eq!(asked(json!({"stream": false, "stream_options": null})), Ok(false));
+    let include_usage = |body: Value| asked_of(&body).map(|s| s.include_usage);
+    assert_eq!(include_usage(json!({"stream": true, "stream_options": {"include_usage": true}})), Ok(true));
+    assert_eq!(include_usage(json!({"stream": true, "stream_options": {}})), Ok(false));
+    assert_eq!(include_usage(json!({"stream": true})), Ok(false));
+    assert_eq!(include_usage(json!({"stream": false, "stream_options": null})), Ok(false));
     for (body, needle) in [
         (json!({"stream_options": {"include_usage": true}}), "only allowed with `stream: true`"),
         (json!({"stream": true, "stream_options": true}), "`stream_options` must be an object"),
         (json!({"stream": true, "stream_options": {"include_usage": "yes"}}), "`stream_options.include_usage`"),
     ] {
-        let err = sampling_of(&body).unwrap_err();
+        let err = asked_of(&body).unwrap_err();
         assert!(err.0.contains(needle), "{body}: {err}");
     }
-    let last = usage_chunk(Kind::Chat, ("id", 7, "m"), usage(10, 3, 8));
+    let last = usage_chunk(Api::Chat, ("id", 7, "m"), usage(10, 3, 8));
     assert_eq!(last["choices"], json!([]));
     assert_eq!((&last["object"], &last["usage"]["total_tokens"]), (&json!("chat.completion.chunk"), &json!(13)));
 }
@@ -127,14 +127,14 @@ fn legacy_parameters_the_front_door_does_not_implement_are_refused_by_name() {
     for (body, needle) in
         [(json!({"echo": true}), "`echo` is not supported"), (json!({"suffix": " end"}), "`suffix` is not supported")]
     {
-        let err = sampling(&body, Kind::Text).unwrap_err();
+        let err = asked(&body, Api::Completions).unwrap_err();
         assert!(err.0.contains(needle), "{body}: {err}");
     }
     // Their defaults are what the front door does anyway; chat has no such fields.
     for body in [json!({"echo": false}), json!({"suffix": ""}), json!({"suffix": null})] {
-        assert!(sampling(&body, Kind::Text).is_ok(), "{body}");
+        assert!(asked(&body, Api::Completions).is_ok(), "{body}");
     }
-    assert!(sampling(&json!({"echo": true}), Kind::Chat).is_ok());
+    assert!(asked(&json!({"echo": true}), Api::Chat).is_ok());
 }
 
 #[test]
@@ -163,14 +163,14 @@ fn tools_are_functions_offered_unless_the_client_says_none() {
 #[test]
 fn tool_calls_render_as_openai_renders_them() {
     let call = ToolCall { id: "call_1".into(), name: "get_weather".into(), arguments: r#"{"city":"Oslo"}"#.into() };
-    let whole = choice(Kind::Chat, 0, "", "tool_calls", None, std::slice::from_ref(&call));
+    let whole = choice(Api::Chat, 0, "", "tool_calls", None, std::slice::from_ref(&call));
     assert_eq!(
         whole["message"],
         json!({"role": "assistant", "content": null, "tool_calls": [
             {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": r#"{"city":"Oslo"}"#}}
         ]})
     );
-    let mut streamed = chunk(Kind::Chat, ("id", 0, "m"), 0, None, None);
+    let mut streamed = chunk(Api::Chat, ("id", 0, "m"), 0, None, None);
     add_tool_calls(&mut streamed, &[call], 2);
     assert_eq!(streamed["choices"][0]["delta"]["tool_calls"][0]["index"], 2);
     assert_eq!(streamed["choices"][0]["delta"]["tool_calls"][0]["function"]["name"], "get_weather");

@@ -1,24 +1,20 @@
 //! The OpenAI request wire format: what the front door accepts, checked
 //! before anything reaches the engine, so a client's mistake is a 400 that
 //! names the field, never an engine error.
+//!
+//! Every API but the legacy completions answers through chat's objects (the Responses and Messages
+//! APIs translate them), so `Api::Completions` is the one whose objects here are text ones.
 
 use serde_json::{Map, Value, json};
 
-use crate::engine::ToolCall;
-
-/// Which endpoint a request came in on: its response objects differ.
-#[derive(Clone, Copy, Debug)]
-pub enum Kind {
-    /// `/v1/chat/completions`
-    Chat,
-    /// `/v1/completions`
-    Text,
-}
+use super::Api;
+use crate::engine::{Sampling, ToolCall};
 
 /// One choice of a whole (non-streamed) answer; a chat answer that only called tools has no content.
-pub fn choice(kind: Kind, index: u32, text: &str, finish: &str, logprobs: Option<Value>, calls: &[ToolCall]) -> Value {
-    let mut choice = match kind {
-        Kind::Chat if !calls.is_empty() => json!({
+pub fn choice(api: Api, index: u32, text: &str, finish: &str, logprobs: Option<Value>, calls: &[ToolCall]) -> Value {
+    let mut choice = match api {
+        Api::Completions => json!({"index": index, "text": text, "finish_reason": finish}),
+        _ if !calls.is_empty() => json!({
             "index": index,
             "message": {
                 "role": "assistant",
@@ -27,10 +23,7 @@ pub fn choice(kind: Kind, index: u32, text: &str, finish: &str, logprobs: Option
             },
             "finish_reason": finish,
         }),
-        Kind::Chat => {
-            json!({"index": index, "message": {"role": "assistant", "content": text}, "finish_reason": finish})
-        }
-        Kind::Text => json!({"index": index, "text": text, "finish_reason": finish}),
+        _ => json!({"index": index, "message": {"role": "assistant", "content": text}, "finish_reason": finish}),
     };
     if let Some(logprobs) = logprobs {
         choice["logprobs"] = logprobs;
@@ -46,37 +39,37 @@ pub fn add_stop_reason(choice: &mut Value, stop_sequence: &str) {
 }
 
 /// A whole (non-streamed) answer, without `usage`.
-pub fn completion(kind: Kind, id: &str, created: u64, model: &str, choices: Vec<Value>) -> Value {
-    let object = match kind {
-        Kind::Chat => "chat.completion",
-        Kind::Text => "text_completion",
+pub fn completion(api: Api, id: &str, created: u64, model: &str, choices: Vec<Value>) -> Value {
+    let object = match api {
+        Api::Completions => "text_completion",
+        _ => "chat.completion",
     };
     json!({"id": id, "object": object, "created": created, "model": model, "choices": choices})
 }
 
 /// One streamed chunk of choice `index`: a piece of text, or its end with its finish reason.
 pub fn chunk(
-    kind: Kind,
+    api: Api,
     (id, created, model): (&str, u64, &str),
     index: u32,
     text: Option<&str>,
     finish: Option<&str>,
 ) -> Value {
-    match kind {
-        Kind::Chat => json!({
-            "id": id, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": index, "delta": text.map_or(json!({}), |t| json!({"content": t})), "finish_reason": finish}],
-        }),
-        Kind::Text => json!({
+    match api {
+        Api::Completions => json!({
             "id": id, "object": "text_completion", "created": created, "model": model,
             "choices": [{"index": index, "text": text.unwrap_or(""), "finish_reason": finish}],
+        }),
+        _ => json!({
+            "id": id, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [{"index": index, "delta": text.map_or(json!({}), |t| json!({"content": t})), "finish_reason": finish}],
         }),
     }
 }
 
 /// The chunk that ends a stream asked for `stream_options.include_usage`: no choices, the usage.
-pub fn usage_chunk(kind: Kind, names: (&str, u64, &str), usage: Value) -> Value {
-    let mut last = chunk(kind, names, 0, None, None);
+pub fn usage_chunk(api: Api, names: (&str, u64, &str), usage: Value) -> Value {
+    let mut last = chunk(api, names, 0, None, None);
     last["choices"] = json!([]);
     last["usage"] = usage;
     last
@@ -126,10 +119,9 @@ pub fn tools(body: &Value) -> Result<Option<&Value>, InvalidRequest> {
 /// `choices[].logprobs` for these tokens' entries (`token`, `logprob`,
 /// `bytes`, `top_logprobs`, as the adapter sends them): chat's `content`
 /// list, or the legacy completions' parallel lists.
-pub fn logprobs(kind: Kind, entries: &[Value]) -> Value {
-    match kind {
-        Kind::Chat => json!({"content": entries}),
-        Kind::Text => {
+pub fn logprobs(api: Api, entries: &[Value]) -> Value {
+    match api {
+        Api::Completions => {
             let mut offset = 0;
             let mut text_offset = Vec::with_capacity(entries.len());
             for entry in entries {
@@ -154,6 +146,7 @@ pub fn logprobs(kind: Kind, entries: &[Value]) -> Value {
                 "text_offset": text_offset,
             })
         }
+        _ => json!({"content": entries}),
     }
 }
 
@@ -229,24 +222,16 @@ fn text_parts(i: usize, parts: &[Value]) -> Result<String, InvalidRequest> {
     Ok(text)
 }
 
-/// Sampling parameters of a request.
+/// What a request asks of its answers: how the adapter samples each (`engine.proto`'s
+/// `Sampling`, declared once for both languages), how many there are, streamed or whole.
 #[derive(Debug, PartialEq)]
-pub struct Sampling {
-    /// `None`: as many as the context leaves, up to the configured default.
-    pub max_tokens: Option<u32>,
-    pub temperature: f32,
-    pub top_p: f32,
-    pub seed: Option<u64>,
+pub struct Asked {
+    /// As the client asked: `max_tokens` unset means as many as the context leaves, up to the
+    /// configured default; `stop`, up to 4 sequences that end the answer, never part of it;
+    /// `logprobs`, the alternatives per token (chat: `logprobs` + `top_logprobs`; completions:
+    /// `logprobs`).
+    pub sampling: Sampling,
     pub stream: bool,
-    /// Up to 4 sequences that end the answer; never part of it.
-    pub stop: Vec<String>,
-    /// Additive penalties in [-2, 2], as mlx-lm applies them (over the last
-    /// `max_tokens` tokens).
-    pub presence_penalty: f32,
-    pub frequency_penalty: f32,
-    /// Each generated token's log probability with this many alternatives
-    /// (chat: `logprobs` + `top_logprobs`; completions: `logprobs`); None: off.
-    pub logprobs: Option<u32>,
     /// Answers to generate for the prompt (`n`), one after another from the same restored cache.
     pub n: u32,
     /// `stream_options.include_usage`: a last chunk with `choices: []` and the usage, as OpenAI
@@ -256,8 +241,8 @@ pub struct Sampling {
 
 /// Parameters of OpenAI's legacy completions that the front door does not implement: refused by
 /// name rather than ignored (the answer would not be what the caller asked for).
-fn refuse_unimplemented(body: &Value, kind: Kind) -> Result<(), InvalidRequest> {
-    if matches!(kind, Kind::Chat) {
+fn refuse_unimplemented(body: &Value, api: Api) -> Result<(), InvalidRequest> {
+    if api != Api::Completions {
         return Ok(());
     }
     if body.get("echo").is_some_and(|v| v != &Value::Bool(false) && !v.is_null()) {
@@ -290,11 +275,20 @@ pub const MAX_CHOICES: u64 = 16;
 
 /// Log probabilities asked for, as each API spells them: chat's `logprobs` + `top_logprobs`, the
 /// legacy API's `logprobs` (the number of alternatives, up to 5).
-fn logprobs_asked(body: &Value, kind: Kind) -> Result<Option<u32>, InvalidRequest> {
+fn logprobs_asked(body: &Value, api: Api) -> Result<Option<u32>, InvalidRequest> {
     let field = |key: &str| body.get(key).filter(|v| !v.is_null());
     let bad = |key: &str, what: &str| invalid(format!("`{key}` must be {what}"));
-    Ok(match kind {
-        Kind::Chat => {
+    Ok(match api {
+        // The legacy API: `logprobs` is the number of alternatives, up to 5.
+        Api::Completions => field("logprobs")
+            .map(|v| {
+                v.as_u64()
+                    .filter(|n| *n <= 5)
+                    .map(|n| n as u32)
+                    .ok_or_else(|| bad("logprobs", "an integer from 0 to 5"))
+            })
+            .transpose()?,
+        _ => {
             let on = field("logprobs").map(|v| v.as_bool().ok_or_else(|| bad("logprobs", "a boolean"))).transpose()?;
             let top = field("top_logprobs")
                 .map(|v| v.as_u64().filter(|n| *n <= 20).ok_or_else(|| bad("top_logprobs", "an integer from 0 to 20")))
@@ -305,20 +299,12 @@ fn logprobs_asked(body: &Value, kind: Kind) -> Result<Option<u32>, InvalidReques
                 (false, None) => None,
             }
         }
-        // The legacy API: `logprobs` is the number of alternatives, up to 5.
-        Kind::Text => field("logprobs")
-            .map(|v| {
-                v.as_u64()
-                    .filter(|n| *n <= 5)
-                    .map(|n| n as u32)
-                    .ok_or_else(|| bad("logprobs", "an integer from 0 to 5"))
-            })
-            .transpose()?,
     })
 }
 
-pub fn sampling(body: &Value, kind: Kind) -> Result<Sampling, InvalidRequest> {
-    refuse_unimplemented(body, kind)?;
+/// What `body` asks of its answers, each field checked.
+pub fn asked(body: &Value, api: Api) -> Result<Asked, InvalidRequest> {
+    refuse_unimplemented(body, api)?;
     let field = |key: &str| body.get(key).filter(|v| !v.is_null());
     let bad = |key: &str, what: &str| invalid(format!("`{key}` must be {what}"));
     let n = match field("n") {
@@ -328,16 +314,19 @@ pub fn sampling(body: &Value, kind: Kind) -> Result<Sampling, InvalidRequest> {
             .ok_or_else(|| bad("n", &format!("an integer from 1 to {MAX_CHOICES}")))? as u32,
         None => 1,
     };
+    let stream =
+        field("stream").map(|v| v.as_bool().ok_or_else(|| bad("stream", "a boolean"))).transpose()?.unwrap_or(false);
+    Ok(Asked { sampling: sampling(body, api)?, stream, n, include_usage: include_usage(body, stream)? })
+}
+
+/// How `body` asks its answers to be sampled.
+fn sampling(body: &Value, api: Api) -> Result<Sampling, InvalidRequest> {
+    let field = |key: &str| body.get(key).filter(|v| !v.is_null());
+    let bad = |key: &str, what: &str| invalid(format!("`{key}` must be {what}"));
     let penalty = |key: &str| match field(key) {
-        Some(v) => v
-            .as_f64()
-            .filter(|p| (-2.0..=2.0).contains(p))
-            .map(|p| p as f32)
-            .ok_or_else(|| bad(key, "between -2 and 2")),
+        Some(v) => v.as_f64().filter(|p| (-2.0..=2.0).contains(p)).ok_or_else(|| bad(key, "between -2 and 2")),
         None => Ok(0.0),
     };
-    let (presence_penalty, frequency_penalty) = (penalty("presence_penalty")?, penalty("frequency_penalty")?);
-    let logprobs = logprobs_asked(body, kind)?;
     let max_tokens = match field("max_completion_tokens")
         .map(|v| ("max_completion_tokens", v))
         .or(field("max_tokens").map(|v| ("max_tokens", v)))
@@ -352,17 +341,15 @@ pub fn sampling(body: &Value, kind: Kind) -> Result<Sampling, InvalidRequest> {
     };
     let temperature = match field("temperature") {
         Some(v) => {
-            v.as_f64().filter(|t| (0.0..=2.0).contains(t)).ok_or_else(|| bad("temperature", "between 0 and 2"))? as f32
+            v.as_f64().filter(|t| (0.0..=2.0).contains(t)).ok_or_else(|| bad("temperature", "between 0 and 2"))?
         }
         None => 1.0,
     };
     let top_p = match field("top_p") {
-        Some(v) => v.as_f64().filter(|p| *p > 0.0 && *p <= 1.0).ok_or_else(|| bad("top_p", "in (0, 1]"))? as f32,
+        Some(v) => v.as_f64().filter(|p| *p > 0.0 && *p <= 1.0).ok_or_else(|| bad("top_p", "in (0, 1]"))?,
         None => 1.0,
     };
     let seed = field("seed").map(|v| v.as_u64().ok_or_else(|| bad("seed", "a non-negative integer"))).transpose()?;
-    let stream =
-        field("stream").map(|v| v.as_bool().ok_or_else(|| bad("stream", "a boolean"))).transpose()?.unwrap_or(false);
     let stop_shape = || bad("stop", "a non-empty string or a list of up to 4 of them");
     let stop = match field("stop") {
         None => Vec::new(),
@@ -377,15 +364,12 @@ pub fn sampling(body: &Value, kind: Kind) -> Result<Sampling, InvalidRequest> {
     Ok(Sampling {
         max_tokens,
         temperature,
-        top_p,
+        top_p: Some(top_p),
         seed,
-        stream,
         stop,
-        presence_penalty,
-        frequency_penalty,
-        logprobs,
-        n,
-        include_usage: include_usage(body, stream)?,
+        presence_penalty: penalty("presence_penalty")?,
+        frequency_penalty: penalty("frequency_penalty")?,
+        logprobs: logprobs_asked(body, api)?,
     })
 }
 

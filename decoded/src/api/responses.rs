@@ -4,8 +4,8 @@
 
 use serde_json::{Value, json};
 
+use super::openai::InvalidRequest;
 use super::{Said, SseEvent, call_parts, chat_tools, chat_with, content_text, field, invalid, usage_parts};
-use crate::openai::InvalidRequest;
 
 /// The chat request a Responses request asks for (checked further as any chat request is).
 pub fn chat_request(body: &Value) -> Result<Value, InvalidRequest> {
@@ -345,7 +345,7 @@ mod tests {
 
     #[test]
     fn a_streamed_answer_is_told_in_typed_events_in_order() {
-        let got = crate::dialects::told(&mut Events::default());
+        let got = crate::api::told(&mut Events::default());
         let names: Vec<&str> = got.iter().map(|e| e.name).collect();
         assert_eq!(
             names,

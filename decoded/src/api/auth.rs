@@ -6,12 +6,13 @@ use std::{collections::HashSet, sync::Arc};
 use axum::{
     extract::State,
     http::{HeaderMap, header},
-    response::{IntoResponse, Response},
+    response::Response,
 };
 use sha2::{Digest, Sha256};
 
-use super::{error::FrontError, verdict::metric};
+use super::{Api, error::FrontError};
 use crate::config::ApiKey;
+use crate::front::verdict::metric;
 
 /// The configured keys, kept as digests so a comparison's timing says nothing
 /// about a key's bytes. None configured: everyone is let in.
@@ -51,8 +52,5 @@ pub async fn require_api_key(
         return next.run(request).await;
     }
     metrics::counter!(metric::UNAUTHORIZED).increment(1);
-    match request.uri().path().starts_with("/v1/messages") {
-        true => FrontError::Unauthorized.into_anthropic_response(),
-        false => FrontError::Unauthorized.into_response(),
-    }
+    Api::at(request.uri().path()).respond(Err(FrontError::Unauthorized))
 }

@@ -1,25 +1,94 @@
-//! The other chat APIs coding tools speak, served as translations of OpenAI's chat completions:
-//! OpenAI's Responses API (`/v1/responses`, [`responses`]) and Anthropic's Messages API
-//! (`/v1/messages`, [`messages`]). A request becomes a chat request (checked by `crate::openai`
-//! like any other), the chat answer — whole, or its chunks as they stream — becomes the API's
-//! answer, so every API takes the same engine path, verdict header and admission.
+//! The front door's APIs, each parsed and answered in its own wire format: OpenAI's chat and
+//! legacy completions ([`openai`]), OpenAI's Responses API ([`responses`]) and Anthropic's Messages
+//! API ([`messages`]), their errors ([`error`]) and API keys ([`auth`]). A Responses or Messages
+//! request becomes a chat request (checked by [`openai`] like any other), and the chat answer —
+//! whole, or its chunks as they stream — becomes the API's answer, so every API takes the same
+//! engine path, verdict header and admission (`crate::front`, which decides how to serve).
 
+pub mod auth;
+pub mod error;
 pub mod messages;
+pub mod openai;
 pub mod responses;
 
+use std::borrow::Cow;
+
+use axum::response::{IntoResponse, Response};
 use serde_json::{Value, json};
 
-use crate::openai::InvalidRequest;
+use error::FrontError;
+use openai::InvalidRequest;
 
-/// The API a chat request came in on.
+/// The API a request came in on: its path, the shape of its answers and of its errors.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Dialect {
-    /// `/v1/chat/completions` (and `/v1/completions`): answered as they are.
+pub enum Api {
+    /// OpenAI's `/v1/chat/completions`.
     Chat,
-    /// `/v1/responses`
+    /// OpenAI's legacy `/v1/completions`: a prompt, answered as text choices.
+    Completions,
+    /// OpenAI's `/v1/responses`, a translation of a chat.
     Responses,
-    /// `/v1/messages`
+    /// Anthropic's `/v1/messages` (and its `count_tokens`), a translation of a chat.
     Messages,
+}
+
+impl Api {
+    /// Where the API is served (a forwarded request goes to the same path on a peer).
+    pub fn path(self) -> &'static str {
+        match self {
+            Api::Chat => "/v1/chat/completions",
+            Api::Completions => "/v1/completions",
+            Api::Responses => "/v1/responses",
+            Api::Messages => "/v1/messages",
+        }
+    }
+
+    /// The API whose shape a request to `path` is answered in: Anthropic's under `/v1/messages`,
+    /// OpenAI's chat everywhere else (the front door's other routes speak OpenAI's errors).
+    pub fn at(path: &str) -> Api {
+        match path.starts_with(Api::Messages.path()) {
+            true => Api::Messages,
+            false => Api::Chat,
+        }
+    }
+
+    /// The chat completions request that `body`, a request of this API, asks for: chat's is the
+    /// body itself (as is the legacy API's, which is no chat and never asked).
+    pub fn chat_request(self, body: &Value) -> Result<Cow<'_, Value>, InvalidRequest> {
+        match self {
+            Api::Chat | Api::Completions => Ok(Cow::Borrowed(body)),
+            Api::Responses => responses::chat_request(body).map(Cow::Owned),
+            Api::Messages => messages::chat_request(body).map(Cow::Owned),
+        }
+    }
+
+    /// A whole chat completion (`chat.completion` with its usage, or `text_completion` for the
+    /// legacy API) as this API answers it.
+    pub fn whole(self, completion: Value) -> Value {
+        match self {
+            Api::Chat | Api::Completions => completion,
+            Api::Responses => responses::whole(&completion),
+            Api::Messages => messages::whole(&completion),
+        }
+    }
+
+    /// The translator of a streamed answer; none for OpenAI's chat and completions, whose chunks
+    /// go out as they are.
+    pub fn stream(self) -> Option<Box<dyn Stream>> {
+        match self {
+            Api::Chat | Api::Completions => None,
+            Api::Responses => Some(Box::new(responses::Events::default())),
+            Api::Messages => Some(Box::new(messages::Events::default())),
+        }
+    }
+
+    /// A handler's answer, its error told in this API's shape and status.
+    pub fn respond(self, answer: Result<Response, FrontError>) -> Response {
+        answer.unwrap_or_else(|e| match self {
+            Api::Messages => e.into_anthropic_response(),
+            Api::Chat | Api::Completions | Api::Responses => e.into_response(),
+        })
+    }
 }
 
 /// One server-sent event: its name (`event:`) and data.
@@ -38,26 +107,6 @@ pub trait Stream: Send + Sync {
     fn end(&mut self) -> Vec<SseEvent>;
     /// The event that ends a stream cut by an error.
     fn error(&mut self, message: &str) -> Vec<SseEvent>;
-}
-
-impl Dialect {
-    /// A whole chat completion (`chat.completion` with its usage) as this API answers it.
-    pub fn whole(self, completion: Value) -> Value {
-        match self {
-            Dialect::Chat => completion,
-            Dialect::Responses => responses::whole(&completion),
-            Dialect::Messages => messages::whole(&completion),
-        }
-    }
-
-    /// The translator of a streamed answer; none for the chat API, whose chunks go out as they are.
-    pub fn stream(self) -> Option<Box<dyn Stream>> {
-        match self {
-            Dialect::Chat => None,
-            Dialect::Responses => Some(Box::new(responses::Events::default())),
-            Dialect::Messages => Some(Box::new(messages::Events::default())),
-        }
-    }
 }
 
 fn invalid(message: impl Into<String>) -> InvalidRequest {
