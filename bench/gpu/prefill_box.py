@@ -242,17 +242,20 @@ def legend(d, font, entries, at: tuple[float, float], per_row: int, column: floa
 KEPT = (("vLLM + its OffloadingConnector", "offloading_connector_kept", (120, 120, 120)),
         ("kv route, kv_bits 4, stream", "bridged_kv4_stream_kept", (40, 90, 200)),
         ("kv route, kv_bits 8, stream", "bridged_kv8_stream_kept", (30, 150, 60)),
-        ("kv route, kv_bits 4, one prompt", "bridged_kv4_kept", (150, 180, 230)))
+        ("kv route, kv_bits 4, one prompt", "bridged_kv4_kept", (150, 180, 230)),
+        ("kv4, fused quantizer + async scheduling, stream", "bridged_kv4_fused_async_stream_kept", (230, 140, 20)))
 
 
 def plot_kept(args: argparse.Namespace) -> None:
     """Per length, the share of vLLM alone's throughput vLLM's own OffloadingConnector and the kv
-    route's bridged box keep (a stream of prompts, and one prompt alone), beside the 95 % and 98 %
-    bars."""
+    route's bridged box keep (a stream of prompts, and one prompt alone; the later lease's fused
+    quantizer under async scheduling), beside the 95 % and 98 % bars."""
     from PIL import Image, ImageDraw, ImageFont
 
-    rows = json.loads(args.results.read_text())["kv_route"]["prefill_box"]["rows"]
-    width, height, left, top, bottom = 860, 460, 70, 60, 110
+    kv_route = json.loads(args.results.read_text())["kv_route"]
+    later = {row["prompt_tokens"]: row for row in kv_route.get("fused_check", {}).get("rows", [])}
+    rows = [{**later.get(row["prompt_tokens"], {}), **row} for row in kv_route["prefill_box"]["rows"]]
+    width, height, left, top, bottom = 960, 490, 70, 60, 130
     img = Image.new("RGB", (width, height), "white")
     d = ImageDraw.Draw(img)
     font = ImageFont.load_default(size=13)
@@ -274,9 +277,9 @@ def plot_kept(args: argparse.Namespace) -> None:
             bx = x + k * (bar + 6)
             d.rectangle([bx, y(row[key]), bx + bar, y(0)], fill=color)
             d.text((bx + bar / 2, y(row[key]) - 4), f"{row[key]:.0%}", fill="black", font=font, anchor="mb")
-        d.text((x + 2 * (bar + 6), height - bottom + 12), f"{row['prompt_tokens']:,} tokens", fill="black", font=font,
+        d.text((x + len(KEPT) / 2 * (bar + 6), height - bottom + 12), f"{row['prompt_tokens']:,} tokens", fill="black", font=font,
                anchor="ma")
-    legend(d, font, KEPT, (left, height - 52), per_row=2, column=320)
+    legend(d, font, KEPT, (left, height - 76), per_row=2, column=400)
     d.text((width / 2, 20), args.title, fill="black", font=font, anchor="ma")
     img.save(args.png)
 
