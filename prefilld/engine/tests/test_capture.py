@@ -6,8 +6,10 @@ as the CUDA kernel does, under the plugin's `Recorder` over vLLM's own EAGLE-3 c
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import unittest
+from pathlib import Path
 from unittest import mock
 
 import torch
@@ -141,6 +143,15 @@ class RegistrationTest(unittest.TestCase):
         finally:
             ModelRegistry.models.clear()
             ModelRegistry.models.update(saved)
+
+    def test_every_own_class_is_defined_where_its_declaration_says(self):
+        """`own_classes.json` (which prefilld embeds too) names modules that define the class, read
+        as source: the CUDA module imports vLLM's CUDA build."""
+        for architecture, own in models.OWN_CLASSES.items():
+            for key in ("cpu_module", "cuda_module"):
+                source = Path(importlib.util.find_spec(own[key]).origin).read_text()
+                self.assertIn(f"class {architecture}(", source, f"{key} {own[key]}")
+            self.assertIn("{max_model_len}", own["cpu_vllm_args"])
 
 
 if __name__ == "__main__":
