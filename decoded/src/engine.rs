@@ -198,14 +198,14 @@ impl Engine {
     }
 
     /// Starts a generation; read its events from the returned stream.
-    pub async fn generate(&self, req: &GenerateRequest<'_>) -> Result<Generation, EngineError> {
+    pub async fn generate(&self, req: GenerateRequest<'_>) -> Result<Generation, EngineError> {
         self.info()?;
         let req = wire::GenerateRequest {
             tokens: req.tokens.to_vec(),
             blocks: req.blocks.iter().map(|b| path_text(b)).collect::<Result<_, _>>()?,
             tail: req.tail.map(path_text).transpose()?,
             spec_fingerprint: req.spec_fingerprint.to_owned(),
-            sampling: Some(req.sampling.clone()),
+            sampling: Some(req.sampling),
             tools_json: req.tools.map(|t| t.to_string()).unwrap_or_default(),
         };
         let sent_at = SystemTime::now();

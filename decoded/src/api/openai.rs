@@ -173,6 +173,11 @@ fn invalid(message: impl Into<String>) -> InvalidRequest {
     InvalidRequest(message.into())
 }
 
+/// The refusal of field `key`, which `must be` `what`.
+fn must_be(key: &str, what: &str) -> InvalidRequest {
+    invalid(format!("`{key}` must be {what}"))
+}
+
 /// Roles the chat templates know.
 const ROLES: &[&str] = &["system", "developer", "user", "assistant", "tool"];
 
@@ -276,8 +281,7 @@ pub const MAX_CHOICES: u64 = 16;
 /// Log probabilities asked for, as each API spells them: chat's `logprobs` + `top_logprobs`, the
 /// legacy API's `logprobs` (the number of alternatives, up to 5).
 fn logprobs_asked(body: &Value, api: Api) -> Result<Option<u32>, InvalidRequest> {
-    let field = |key: &str| body.get(key).filter(|v| !v.is_null());
-    let bad = |key: &str, what: &str| invalid(format!("`{key}` must be {what}"));
+    let field = |key: &str| super::field(body, key);
     Ok(match api {
         // The legacy API: `logprobs` is the number of alternatives, up to 5.
         Api::Completions => field("logprobs")
@@ -285,13 +289,16 @@ fn logprobs_asked(body: &Value, api: Api) -> Result<Option<u32>, InvalidRequest>
                 v.as_u64()
                     .filter(|n| *n <= 5)
                     .map(|n| n as u32)
-                    .ok_or_else(|| bad("logprobs", "an integer from 0 to 5"))
+                    .ok_or_else(|| must_be("logprobs", "an integer from 0 to 5"))
             })
             .transpose()?,
         _ => {
-            let on = field("logprobs").map(|v| v.as_bool().ok_or_else(|| bad("logprobs", "a boolean"))).transpose()?;
+            let on =
+                field("logprobs").map(|v| v.as_bool().ok_or_else(|| must_be("logprobs", "a boolean"))).transpose()?;
             let top = field("top_logprobs")
-                .map(|v| v.as_u64().filter(|n| *n <= 20).ok_or_else(|| bad("top_logprobs", "an integer from 0 to 20")))
+                .map(|v| {
+                    v.as_u64().filter(|n| *n <= 20).ok_or_else(|| must_be("top_logprobs", "an integer from 0 to 20"))
+                })
                 .transpose()?;
             match (on.unwrap_or(false), top) {
                 (true, top) => Some(top.unwrap_or(0) as u32),
@@ -305,26 +312,26 @@ fn logprobs_asked(body: &Value, api: Api) -> Result<Option<u32>, InvalidRequest>
 /// What `body` asks of its answers, each field checked.
 pub fn asked(body: &Value, api: Api) -> Result<Asked, InvalidRequest> {
     refuse_unimplemented(body, api)?;
-    let field = |key: &str| body.get(key).filter(|v| !v.is_null());
-    let bad = |key: &str, what: &str| invalid(format!("`{key}` must be {what}"));
+    let field = |key: &str| super::field(body, key);
     let n = match field("n") {
         Some(v) => v
             .as_u64()
             .filter(|n| (1..=MAX_CHOICES).contains(n))
-            .ok_or_else(|| bad("n", &format!("an integer from 1 to {MAX_CHOICES}")))? as u32,
+            .ok_or_else(|| must_be("n", &format!("an integer from 1 to {MAX_CHOICES}")))? as u32,
         None => 1,
     };
-    let stream =
-        field("stream").map(|v| v.as_bool().ok_or_else(|| bad("stream", "a boolean"))).transpose()?.unwrap_or(false);
+    let stream = field("stream")
+        .map(|v| v.as_bool().ok_or_else(|| must_be("stream", "a boolean")))
+        .transpose()?
+        .unwrap_or(false);
     Ok(Asked { sampling: sampling(body, api)?, stream, n, include_usage: include_usage(body, stream)? })
 }
 
 /// How `body` asks its answers to be sampled.
 fn sampling(body: &Value, api: Api) -> Result<Sampling, InvalidRequest> {
-    let field = |key: &str| body.get(key).filter(|v| !v.is_null());
-    let bad = |key: &str, what: &str| invalid(format!("`{key}` must be {what}"));
+    let field = |key: &str| super::field(body, key);
     let penalty = |key: &str| match field(key) {
-        Some(v) => v.as_f64().filter(|p| (-2.0..=2.0).contains(p)).ok_or_else(|| bad(key, "between -2 and 2")),
+        Some(v) => v.as_f64().filter(|p| (-2.0..=2.0).contains(p)).ok_or_else(|| must_be(key, "between -2 and 2")),
         None => Ok(0.0),
     };
     let max_tokens = match field("max_completion_tokens")
@@ -335,22 +342,23 @@ fn sampling(body: &Value, api: Api) -> Result<Sampling, InvalidRequest> {
             v.as_u64()
                 .filter(|n| *n > 0)
                 .and_then(|n| u32::try_from(n).ok())
-                .ok_or_else(|| bad(key, "a positive integer below 2^32"))?,
+                .ok_or_else(|| must_be(key, "a positive integer below 2^32"))?,
         ),
         None => None,
     };
     let temperature = match field("temperature") {
         Some(v) => {
-            v.as_f64().filter(|t| (0.0..=2.0).contains(t)).ok_or_else(|| bad("temperature", "between 0 and 2"))?
+            v.as_f64().filter(|t| (0.0..=2.0).contains(t)).ok_or_else(|| must_be("temperature", "between 0 and 2"))?
         }
         None => 1.0,
     };
     let top_p = match field("top_p") {
-        Some(v) => v.as_f64().filter(|p| *p > 0.0 && *p <= 1.0).ok_or_else(|| bad("top_p", "in (0, 1]"))?,
+        Some(v) => v.as_f64().filter(|p| *p > 0.0 && *p <= 1.0).ok_or_else(|| must_be("top_p", "in (0, 1]"))?,
         None => 1.0,
     };
-    let seed = field("seed").map(|v| v.as_u64().ok_or_else(|| bad("seed", "a non-negative integer"))).transpose()?;
-    let stop_shape = || bad("stop", "a non-empty string or a list of up to 4 of them");
+    let seed =
+        field("seed").map(|v| v.as_u64().ok_or_else(|| must_be("seed", "a non-negative integer"))).transpose()?;
+    let stop_shape = || must_be("stop", "a non-empty string or a list of up to 4 of them");
     let stop = match field("stop") {
         None => Vec::new(),
         Some(Value::String(one)) if !one.is_empty() => vec![one.clone()],

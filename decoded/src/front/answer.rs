@@ -65,7 +65,7 @@ impl Choices {
     /// Answer `index`, once the adapter has restored its cache and prefilled the rest of the
     /// prompt (an unusable block fails here, while the request can still be served another way).
     pub async fn start(&self, index: u32) -> Result<Generation, EngineError> {
-        let mut generation = self.engine.generate(&self.request(index)).await?;
+        let mut generation = self.engine.generate(self.request(index)).await?;
         generation.started().await?;
         Ok(generation)
     }
