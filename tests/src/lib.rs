@@ -480,22 +480,24 @@ impl Engines {
     }
 
     /// The test model with its decoder dense: the 4-bit weights dequantized to fp32 (the prefill
-    /// folder, which mlx-lm loads as it is); give its adapter [`Engines::openblas_env`]. Its native
-    /// prefill runs ~6x faster than the 4-bit decoder's on this CPU (512 tokens: ~10 s vs ~60 s
-    /// beside a busy CI), for tests of the front door rather than of quantization.
+    /// folder, which mlx-lm loads as it is). Its native prefill runs ~10x faster than the 4-bit
+    /// decoder's on this CPU (512 tokens: ~7 s vs ~70 s; MLX's CPU quantized matmul is a plain
+    /// loop), for tests of the front door and the topology rather than of quantization.
     pub fn dense() -> Engines {
         let engines = Engines::locate();
         Engines { decoder_model: engines.prefill_model.clone(), ..engines }
     }
 
-    /// An `[engine.env]` table that preloads [`Engines::openblas`] for MLX's CPU backend.
-    pub fn openblas_env(&self) -> String {
-        format!("[engine.env]\nLD_PRELOAD = {:?}\n", self.openblas())
+    /// The environment both daemons give their engines: MLX's CPU backend (the decoder's, and the
+    /// prefill side's reconstruction) multiplies on [`Engines::openblas`], one thread per process
+    /// (the tests' processes already share two cores; a second BLAS thread only spins).
+    fn engine_env(&self) -> String {
+        format!("LD_PRELOAD = {:?}\nOPENBLAS_NUM_THREADS = \"1\"\n", self.openblas())
     }
 
     /// The OpenBLAS the engines' environment holds (opencv-python-headless's): MLX's CPU backend on
     /// Linux multiplies dense fp32 on a reference BLAS, ~70x slower, unless this is preloaded.
-    pub fn openblas(&self) -> PathBuf {
+    fn openblas(&self) -> PathBuf {
         let lib = self.python.parent().and_then(Path::parent).expect(".venv/bin/python").join("lib");
         std::fs::read_dir(&lib)
             .unwrap_or_else(|e| panic!("{}: {e}", lib.display()))
@@ -516,8 +518,10 @@ impl Engines {
     pub fn decoded_config(&self, store_dir: &Path, block_tokens: u32, extra: &str) -> String {
         format!(
             "{server}[store]\ndir = {store:?}\nblock_tokens = {block_tokens}\n\
-             [engine]\npython = {python:?}\nadapter_dir = {adapter:?}\nmodel = {model:?}\nsocket = {socket:?}\n{extra}",
+             [engine]\npython = {python:?}\nadapter_dir = {adapter:?}\nmodel = {model:?}\nsocket = {socket:?}\n\
+             env = {{ {env} }}\n{extra}",
             server = loopback_config("prefilld", "5s"),
+            env = self.engine_env().trim_end().replace('\n', ", "),
             store = store_dir,
             python = self.python,
             adapter = self.adapter_dir,
@@ -549,8 +553,9 @@ impl Engines {
         format!(
             "{server}[engine]\npython = {python:?}\nplugin_dir = {plugin:?}\nmodel = {model:?}\ndtype = {dtype:?}\n\
              max_model_len = 4096\nplugin_socket = {socket:?}\nbundle_dir = {bundles:?}\n{args}\
-             [engine.env]\nVLLM_CPU_KVCACHE_SPACE = \"1\"\nVLLM_CPU_NUM_OF_RESERVED_CPU = \"1\"\n{env_keys}{extra}",
+             [engine.env]\nVLLM_CPU_KVCACHE_SPACE = \"1\"\nVLLM_CPU_NUM_OF_RESERVED_CPU = \"1\"\n{env}{env_keys}{extra}",
             server = loopback_config("prefilld", "5s"),
+            env = self.engine_env(),
             python = self.python,
             plugin = self.plugin_dir,
             model = self.prefill_model,

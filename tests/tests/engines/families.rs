@@ -1,7 +1,7 @@
 //! Model families other than the test model, end to end on the real engines, one per cache kind
 //! and capture route beyond the test model's (the codec's own suite holds every family's
-//! reconstruction to the decoder's, tensor by tensor): sliding windows (the real Gemma 3 270M,
-//! whose vLLM class gets its capture hooks from the plugin), a latent cache (DeepSeek-V3 MLA, vLLM
+//! reconstruction to the decoder's, tensor by tensor): sliding windows (Gemma 3, whose vLLM class
+//! gets its capture hooks from the plugin; the real 270M on the kv route), a latent cache (DeepSeek-V3 MLA, vLLM
 //! in bf16), recurrent states (Qwen3-Next's gated delta-net, vLLM in bf16; a follow-up turn
 //! restores a stored state), a window and pools (DeepSeek-V4.1, on the plugin's own vLLM class);
 //! and a cache class without a codec is refused at the handshake with its reason. A quantized KV
@@ -10,7 +10,7 @@
 use std::time::Duration;
 
 use pdbridge_common::proto::{
-    PrefillRequest, outcome::Status, prefill_event::Event, prefiller_client::PrefillerClient,
+    Outcome, Payload, PrefillRequest, Reason, outcome::Status, prefill_event::Event, prefiller_client::PrefillerClient,
 };
 use pdbridge_tests::{Daemon, Engines, Reserved, Scratch, decoders, fixed_spec_config, license_text};
 use serde_json::Value;
@@ -35,12 +35,11 @@ impl Prompt {
     }
 }
 
-/// A checkpoint bridged end to end: its engines, the `[engine.env]` keys both daemons' engines
-/// get, the store's block, the prompt and the whole blocks it must make at least.
+/// A checkpoint bridged end to end: its engines, the store's block, the prompt and the whole blocks
+/// it must make at least.
 struct Case {
     name: &'static str,
     engines: Engines,
-    engine_env: String,
     block_tokens: u32,
     prompt: Prompt,
     min_blocks: u64,
@@ -50,25 +49,16 @@ impl Case {
     /// A generated family's checkpoint, asked about the license's start in blocks of 64 tokens.
     fn family(family: &'static str) -> Case {
         let prompt = Prompt::Chat(user(&format!("{}\n\nWhat is this text?", &license_text()[..2400])));
-        Case {
-            name: family,
-            engines: Engines::family(family),
-            engine_env: String::new(),
-            block_tokens: BLOCK_TOKENS,
-            prompt,
-            min_blocks: 4,
-        }
+        Case { name: family, engines: Engines::family(family), block_tokens: BLOCK_TOKENS, prompt, min_blocks: 4 }
     }
 
     /// The real Gemma 3 270M (a base model: no chat template), half the license to continue in
     /// blocks of its 512-token sliding window (a bridged block holds a window): 2 blocks, the
-    /// second past the window, and a tail. Its dense fp32 matmuls run on OpenBLAS in both daemons'
-    /// MLX (on the reference BLAS its native prefill takes minutes).
+    /// second past the window, and a tail.
     fn gemma3_270m() -> Case {
         let engines = Engines::checkpoint("gemma3-270m");
-        let engine_env = format!("LD_PRELOAD = {:?}\n", engines.openblas());
         let prompt = Prompt::Plain(format!("{}\n\nIn short, the text above", &license_text()[..5800]));
-        Case { name: "gemma3-270m", engines, engine_env, block_tokens: 512, prompt, min_blocks: 2 }
+        Case { name: "gemma3-270m", engines, block_tokens: 512, prompt, min_blocks: 2 }
     }
 }
 
@@ -78,9 +68,15 @@ async fn bridges_as_the_decoder_answers(case: Case, scratch: &Scratch, also: Opt
     let port = Reserved::new();
     let prefilld =
         start_prefilld(&case, scratch, "", &[Some(&port), also].into_iter().flatten().collect::<Vec<_>>()).await;
-    let verdict = decoder_answers_as_natively(&case, &prefilld, port, scratch).await;
+    let (decoded, verdict) = decoder_answers_as_natively(&case, &prefilld, port, scratch).await;
     assert_eq!(verdict["route"], "reconstruct", "{}: {verdict}", case.name);
+    stop(decoded).await;
     prefilld
+}
+
+async fn stop(mut daemon: Daemon) {
+    daemon.terminate();
+    daemon.wait(Duration::from_secs(120)).await;
 }
 
 /// prefilld on `case`'s checkpoint, its `[engine]` keys `engine_keys`, pushing to the decoders at
@@ -89,27 +85,26 @@ async fn start_prefilld(case: &Case, scratch: &Scratch, engine_keys: &str, decod
     let addrs: Vec<String> = decoders_at.iter().map(|port| format!("http://{}", port.addr())).collect();
     Daemon::start(
         "prefilld",
-        &case.engines.prefilld_config_with(
-            &scratch.0.join(case.name),
-            engine_keys,
-            &case.engine_env,
-            &decoders(&addrs),
-        ),
+        &case.engines.prefilld_config_with(&scratch.0.join(case.name), engine_keys, "", &decoders(&addrs)),
     )
     .await
 }
 
 /// A decoder of `case`'s checkpoint on `port` behind `prefilld`: a cold prompt bridged, then served
-/// natively: the same greedy answer. Returns the bridged answer's verdict.
-async fn decoder_answers_as_natively(case: &Case, prefilld: &Daemon, port: Reserved, scratch: &Scratch) -> Value {
-    let Case { name, engines, engine_env, block_tokens, prompt, min_blocks } = case;
-    let decoder_env = if engine_env.is_empty() { String::new() } else { format!("[engine.env]\n{engine_env}") };
+/// natively: the same greedy answer. Returns the decoder and the bridged answer's verdict.
+async fn decoder_answers_as_natively(
+    case: &Case,
+    prefilld: &Daemon,
+    port: Reserved,
+    scratch: &Scratch,
+) -> (Daemon, Value) {
+    let Case { name, engines, block_tokens, prompt, min_blocks } = case;
     let extra = format!(
-        "{decoder_env}\n[front]\nlisten = \"127.0.0.1:0\"\nprefilld = \"http://{}\"\nmin_bridge_tokens = {block_tokens}\n",
+        "[front]\nlisten = \"127.0.0.1:0\"\nprefilld = \"http://{}\"\nmin_bridge_tokens = {block_tokens}\n",
         prefilld.grpc
     );
     let store = scratch.0.join(format!("{name}-store-{}", port.addr().port()));
-    let mut decoded =
+    let decoded =
         Daemon::start("decoded", &port.release_into(&engines.decoded_config(&store, *block_tokens, &extra))).await;
     decoded.wait_ready(Duration::from_secs(600)).await;
     prefilld.wait_ready(Duration::from_secs(900)).await;
@@ -147,23 +142,31 @@ async fn decoder_answers_as_natively(case: &Case, prefilld: &Daemon, port: Reser
         assert_eq!(next.cached_tokens(), next.prompt_tokens() - 1, "{}", next.verdict);
         assert_eq!(next.text(), chat(&decoded, &turn, "native").await.text(), "follow-up turn differs");
     }
-    decoded.terminate();
-    decoded.wait(Duration::from_secs(60)).await;
-    bridged.verdict
+    (decoded, bridged.verdict)
+}
+
+/// What prefilld answers `request` with, in the end.
+async fn prefill_outcome(prefilld: &Daemon, request: PrefillRequest) -> Outcome {
+    let mut events =
+        PrefillerClient::connect(prefilld.grpc_uri()).await.unwrap().prefill(request).await.unwrap().into_inner();
+    let mut outcome = None;
+    while let Some(event) = events.message().await.unwrap() {
+        if let Some(Event::Outcome(o)) = event.event {
+            outcome = Some(o);
+        }
+    }
+    outcome.expect("an outcome")
 }
 
 #[tokio::test]
 async fn families_bridge_as_their_decoder_answers() {
     let scratch = Scratch::new("families");
-    // Gemma 3 (real weights): sliding-window layers (RotatingKVCache) of 512 tokens beside global
-    // ones, (1+w) norms; vLLM's class gets its capture from the plugin's hooks.
-    let mut prefilld = bridges_as_the_decoder_answers(Case::gemma3_270m(), &scratch, None).await;
-    prefilld.terminate();
-    prefilld.wait(Duration::from_secs(120)).await;
+    // Gemma 3: sliding-window layers (RotatingKVCache) of 64 tokens beside a global one, (1+w)
+    // norms; vLLM's class gets its capture from the plugin's hooks. (The real Gemma 3 270M's
+    // windows bridge on the kv route below.)
+    stop(bridges_as_the_decoder_answers(Case::family("gemma3"), &scratch, None).await).await;
     // Qwen3-Next: three gated delta-net layers (a recurrent state each) and a full-attention one.
-    let mut prefilld = bridges_as_the_decoder_answers(Case::family("qwen3_next"), &scratch, None).await;
-    prefilld.terminate();
-    prefilld.wait(Duration::from_secs(120)).await;
+    stop(bridges_as_the_decoder_answers(Case::family("qwen3_next"), &scratch, None).await).await;
     // DeepSeek-V3: multi-head latent attention, MoE; vLLM in bf16, the decoder in fp32.
     let listed_port = Reserved::new();
     let prefilld = bridges_as_the_decoder_answers(Case::family("deepseek_v3"), &scratch, Some(&listed_port)).await;
@@ -183,18 +186,10 @@ async fn families_bridge_as_their_decoder_answers() {
     decoder.wait_ready(Duration::from_secs(60)).await;
     let request =
         PrefillRequest { token_ids: (0..48).collect(), decoder_addr: decoder.grpc_uri(), ..Default::default() };
-    let mut events =
-        PrefillerClient::connect(prefilld.grpc_uri()).await.unwrap().prefill(request).await.unwrap().into_inner();
-    let mut outcome = None;
-    while let Some(event) = events.message().await.unwrap() {
-        if let Some(Event::Outcome(o)) = event.event {
-            outcome = Some(o);
-        }
-    }
-    let outcome = outcome.expect("an outcome");
+    let outcome = prefill_outcome(&prefilld, request).await;
     assert_eq!(outcome.status(), Status::Failed, "{outcome:?}");
     assert_eq!(outcome.blocks_committed, 0);
-    assert_eq!(outcome.reason(), pdbridge_common::proto::Reason::UnsupportedModel, "{}", outcome.detail);
+    assert_eq!(outcome.reason(), Reason::UnsupportedModel, "{}", outcome.detail);
     assert!(outcome.detail.contains("layer 1: CacheList: a list of sub-caches"), "{}", outcome.detail);
 }
 
@@ -206,43 +201,34 @@ async fn families_bridge_as_their_decoder_answers() {
 #[tokio::test]
 async fn deepseek_v41_windows_and_pools_bridge_as_the_decoder_answers() {
     let scratch = Scratch::new("families-v41");
-    let mut prefilld = bridges_as_the_decoder_answers(Case::family("deepseek_v41_flash"), &scratch, None).await;
-    prefilld.terminate();
-    prefilld.wait(Duration::from_secs(120)).await;
+    stop(bridges_as_the_decoder_answers(Case::family("deepseek_v41_flash"), &scratch, None).await).await;
 }
 
 /// The kv route (`engine.route = "kv"`: vLLM runs no capture; the plugin lays vLLM's own K/V out
 /// as the decoder's cache, no MLX on the prefill side) on the real Gemma 3 270M: its global layers'
 /// KVCache beside 512-token sliding windows (RotatingKVCache, whose rows are read as vLLM writes
 /// them, before it frees a window's blocks) bridge, and the decoder answers as it does natively; a
-/// decoder asking for layer inputs (the exact route needs the capture) is served natively with the
-/// reason. (mlx-lm quantizes no sliding window: the quantized cache's kv route is held to
-/// `mx.quantize` tensor by tensor in the plugin's suite, `KvRouteTest`.)
+/// decoder asking for layer inputs (the exact route needs the capture) is refused with the reason,
+/// which the front door serves natively. (mlx-lm quantizes no sliding window: the quantized cache's
+/// kv route is held to `mx.quantize` tensor by tensor in the plugin's suite, `KvRouteTest`.)
 #[tokio::test]
 async fn the_kv_route_bridges_plain_and_windowed_caches() {
     let scratch = Scratch::new("families-kv");
     let case = Case::gemma3_270m();
-    // The exact decoder first: prefilld is ready while its first decoder answers.
-    let (exact, plain) = (Reserved::new(), Reserved::new());
-    let mut prefilld = start_prefilld(&case, &scratch, "route = \"kv\"\n", &[&exact, &plain]).await;
-    let extra = format!(
-        "[engine.env]\n{}\n[front]\nlisten = \"127.0.0.1:0\"\nprefilld = \"http://{}\"\nmin_bridge_tokens = 512\n\
-         reconstruct_on = \"decoder\"\n",
-        case.engine_env, prefilld.grpc
-    );
-    let store = scratch.0.join("exact-store");
-    let decoded =
-        Daemon::start("decoded", &exact.release_into(&case.engines.decoded_config(&store, 512, &extra))).await;
-    decoded.wait_ready(Duration::from_secs(600)).await;
-    prefilld.wait_ready(Duration::from_secs(900)).await;
-    let answer = case.prompt.ask(&decoded, "auto").await;
-    assert_eq!(answer.status, 200, "{:?}", answer.body);
-    let v = &answer.verdict;
-    assert_eq!((v["outcome"].as_str(), v["reason"].as_str()), (Some("native"), Some("unsupported_model")), "{v}");
-    assert!(v["detail"].as_str().unwrap_or_default().contains("kv route"), "{v}");
-
-    let verdict = decoder_answers_as_natively(&case, &prefilld, plain, &scratch).await;
+    let port = Reserved::new();
+    let prefilld = start_prefilld(&case, &scratch, "route = \"kv\"\n", &[&port]).await;
+    let (decoded, verdict) = decoder_answers_as_natively(&case, &prefilld, port, &scratch).await;
     assert_eq!(verdict["route"], "kv", "{verdict}");
-    prefilld.terminate();
-    prefilld.wait(Duration::from_secs(120)).await;
+
+    let request = PrefillRequest {
+        token_ids: (2..1100).collect(),
+        decoder_addr: decoded.grpc_uri(),
+        payload: Payload::LayerInputs as i32,
+        ..Default::default()
+    };
+    let outcome = prefill_outcome(&prefilld, request).await;
+    assert_eq!((outcome.status(), outcome.reason()), (Status::Failed, Reason::UnsupportedModel), "{outcome:?}");
+    assert!(outcome.detail.contains("layer inputs need the capture"), "{}", outcome.detail);
+    stop(decoded).await;
+    stop(prefilld).await;
 }

@@ -333,11 +333,9 @@ async fn the_official_sdks_are_answered_as_their_apis_answer() {
 #[tokio::test]
 async fn tool_calls_the_model_makes_reach_the_sdks_parsed() {
     let template = pdbridge_tests::workspace_root().join("deploy/templates/smollm2-tools.jinja");
-    // The tools' long prompts are prefilled natively: the dense decoder on OpenBLAS (what is
-    // tested is the tool calls' way to the SDKs, not the 4-bit kernels).
-    let engines = Engines::dense();
-    let keys = format!("chat_template = {template:?}\n{}", engines.openblas_env());
-    let said = sdk_checks(engines, &keys, "tool-calls").await;
+    // The tools' long prompts are prefilled natively: the dense decoder (what is tested is the
+    // tool calls' way to the SDKs, not the 4-bit kernels).
+    let said = sdk_checks(Engines::dense(), &format!("chat_template = {template:?}\n"), "tool-calls").await;
     assert_eq!(said.lines().filter(|l| l.starts_with("ok ")).count(), 3, "{said}");
 }
 

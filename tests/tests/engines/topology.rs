@@ -18,7 +18,7 @@ const BUSY_MACHINE_DEADLINE: &str = "prefill_deadline_base = \"600s\"\n";
 #[tokio::test]
 async fn bridges_spread_over_prefillers_and_survive_one_dying_mid_bridge() {
     let scratch = Scratch::new("prefillers");
-    let engines = Engines::locate();
+    let engines = Engines::dense();
     let port = Reserved::new();
     let decoder = decoders(&[format!("http://{}", port.addr())]);
     // prefill-a sends over an emulated slow link (a block of the test model in ~2 s), so it is
@@ -95,7 +95,7 @@ pub(crate) async fn one_prefiller_and_decoders(
     scratch: &Scratch,
     decoders_: &[(u32, String, &[usize])],
 ) -> (Daemon, Vec<(Daemon, std::path::PathBuf)>) {
-    let engines = Engines::locate();
+    let engines = Engines::dense();
     let ports: Vec<Reserved> = decoders_.iter().map(|_| Reserved::new()).collect();
     let addrs: Vec<String> = ports.iter().map(|p| format!("http://{}", p.addr())).collect();
     let prefilld =
@@ -218,7 +218,7 @@ async fn tensor_parallel_prefill_bridges_as_the_decoder_answers() {
 #[tokio::test]
 async fn pipeline_stages_on_another_host_stream_over_mutual_tls() {
     let scratch = Scratch::new("pp2-hosts");
-    let engines = Engines::locate();
+    let engines = Engines::dense();
     let pki = Pki::new(&["prefill-a", "prefill-b", "mac-1"]).await;
     let other = Host::create("pp2");
     let head = other.local_addr;
