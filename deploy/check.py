@@ -376,9 +376,20 @@ def check_launchd():
         report(path, problems, f"property list with the required keys, types and values")
 
 # --- Grafana dashboard ----------------------------------------------------------------------
-HISTOGRAMS = {"pdbridge_ttft_seconds", "pdbridge_stage_seconds", "pdbridge_prefill_duration_seconds",
-              "grpc_server_handling_seconds", "http_server_request_duration_seconds"}
-METRICS = {
+def catalogue():
+    """The daemons' metrics as common/src/metric.rs declares them: {name: (type, labels)}."""
+    text = open(os.path.join(root, "common", "src", "metric.rs")).read()
+    found = re.findall(r'Metric::(counter|gauge|histogram)\(\s*"([a-z0-9_]+)",\s*&\[([^\]]*)\]', text)
+    return {name: (kind, set(re.findall(r'"([a-z0-9_]+)"', labels))) for kind, name, labels in found}
+
+DECLARED = catalogue()
+# A histogram's series: its buckets, count and sum.
+METRICS = {n + suffix for n, (kind, _) in DECLARED.items()
+           for suffix in (("_bucket", "_count", "_sum") if kind == "histogram" else ("",))}
+# The labels of the declared metrics, a histogram's bucket bound, and those Prometheus's scrape adds.
+LABELS = set().union(*(labels for _, labels in DECLARED.values())) | {"le", "role", "job", "instance"}
+# What the dashboard must chart (a declared metric each).
+CHARTED = {
     "pdbridge_bridge_outcomes_total", "pdbridge_stream_bytes_total", "pdbridge_push_bytes_total",
     "pdbridge_stream_blocks_total", "pdbridge_store_blocks_committed_total",
     "pdbridge_stream_payload_bytes_per_token", "pdbridge_store_bytes", "pdbridge_store_budget_bytes",
@@ -388,9 +399,10 @@ METRICS = {
     "grpc_server_handled_total", "pdbridge_prefill_requests_total", "pdbridge_build_info",
     "pdbridge_insecure_listeners", "pdbridge_front_unauthorized_total", "pdbridge_push_memory_bytes",
     "pdbridge_push_memory_limit_bytes", "pdbridge_engine_alive", "pdbridge_tls_cert_expiry_timestamp_seconds",
-} | {h + "_bucket" for h in HISTOGRAMS} | {"http_server_request_duration_seconds_count"}
-LABELS = {"outcome", "reason", "stage", "engine", "daemon", "version", "le", "role", "job", "instance",
-          "grpc_service", "grpc_method", "grpc_code", "http_route", "http_response_status_code"}
+    "pdbridge_ttft_seconds_bucket", "pdbridge_stage_seconds_bucket", "pdbridge_prefill_duration_seconds_bucket",
+    "grpc_server_handling_seconds_bucket", "http_server_request_duration_seconds_bucket",
+    "http_server_request_duration_seconds_count",
+}
 DS_UID = "${DS_PROMETHEUS}"
 
 def recorded():
@@ -488,7 +500,9 @@ def check_grafana():
                     labels |= set(re.findall(r"([A-Za-z_][A-Za-z0-9_]*)\s*(?:=~|!~|!=|=)", sel))
                 for l in sorted(labels - LABELS):
                     problems.append(f"{name}: label {l!r} is not one of {sorted(LABELS)}")
-        missing = sorted(METRICS - used)
+        for m in sorted(CHARTED - METRICS):
+            problems.append(f"{m}, which the dashboard must chart, is not declared in common/src/metric.rs")
+        missing = sorted(CHARTED - used)
         if missing:
             problems.append(f"metrics with no panel: {missing}")
         report(path, problems, f"{len(panels)} panels, each with an expr; only the daemons' metrics and labels")

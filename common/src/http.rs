@@ -19,6 +19,8 @@ use hyper_util::{
 };
 use tokio::net::TcpListener;
 
+use crate::metric;
+
 /// The bounds of one listener.
 #[derive(Clone, Copy, Debug)]
 pub struct Limits {
@@ -47,14 +49,14 @@ impl Peers {
             return None;
         }
         *count += 1;
-        metrics::gauge!("pdbridge_front_connections_open").increment(1.0);
+        metrics::gauge!(metric::FRONT_CONNECTIONS_OPEN.name).increment(1.0);
         Some(Slot { peers: self.clone(), ip })
     }
 }
 
 impl Drop for Slot {
     fn drop(&mut self) {
-        metrics::gauge!("pdbridge_front_connections_open").decrement(1.0);
+        metrics::gauge!(metric::FRONT_CONNECTIONS_OPEN.name).decrement(1.0);
         let mut held = self.peers.0.lock().unwrap();
         if let Some(count) = held.get_mut(&self.ip) {
             *count -= 1;
@@ -90,7 +92,7 @@ pub async fn serve(
             () = &mut shutdown => break,
         };
         let Some(slot) = peers.take(peer.ip(), limits.max_connections_per_peer) else {
-            metrics::counter!("pdbridge_front_connections_refused_total").increment(1);
+            metrics::counter!(metric::FRONT_CONNECTIONS_REFUSED.name).increment(1);
             tracing::debug!(%peer, "refusing a connection: the peer holds front.max_connections_per_peer");
             continue;
         };

@@ -12,6 +12,7 @@ pub mod grpc;
 pub mod http;
 pub mod layers;
 pub mod liveness;
+pub mod metric;
 pub mod process;
 pub mod proto;
 pub mod readiness;

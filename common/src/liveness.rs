@@ -11,7 +11,10 @@ use std::{convert::Infallible, future::Future, time::Duration};
 
 use serde::Deserialize;
 
-use crate::config::{ConfigError, Validate};
+use crate::{
+    config::{ConfigError, Validate},
+    metric,
+};
 
 /// `[engine.liveness]` of either daemon.
 #[derive(Clone, Debug, Deserialize)]
@@ -77,7 +80,7 @@ impl Stall {
 
 /// Sets `pdbridge_engine_alive{engine}`: 1 while the engine is up and answers.
 pub fn mark(engine: &'static str, alive: bool) {
-    metrics::gauge!("pdbridge_engine_alive", "engine" => engine).set(if alive { 1.0 } else { 0.0 });
+    metrics::gauge!(metric::ENGINE_ALIVE.name, "engine" => engine).set(if alive { 1.0 } else { 0.0 });
 }
 
 /// Probes a ready engine until dropped (it never returns), calling

@@ -6,6 +6,8 @@ use std::{future::Future, time::Duration};
 use tokio::process::Child;
 use tokio_util::sync::CancellationToken;
 
+use crate::metric;
+
 /// Runs `run_once` (start the child, wait for it to be ready, serve until it
 /// exits) again and again until `stop`, pausing `backoff` between runs.
 /// `on_down` runs after every run, so readiness never outlives the child.
@@ -23,13 +25,13 @@ pub async fn supervise<F, Fut, E>(
     loop {
         let outcome = run_once().await;
         on_down();
-        metrics::gauge!("pdbridge_engine_up", "engine" => engine).set(0.0);
+        metrics::gauge!(metric::ENGINE_UP.name, "engine" => engine).set(0.0);
         crate::liveness::mark(engine, false);
         if stop.is_cancelled() {
             tracing::info!(engine, "engine stopped");
             return;
         }
-        metrics::counter!("pdbridge_engine_restarts_total", "engine" => engine).increment(1);
+        metrics::counter!(metric::ENGINE_RESTARTS.name, "engine" => engine).increment(1);
         match outcome {
             Ok(()) => tracing::error!(engine, "engine exited; restarting"),
             Err(e) => tracing::error!(engine, error = %e, "engine failed; restarting"),
@@ -61,7 +63,7 @@ pub fn contain(cmd: &mut tokio::process::Command) {
 
 /// Marks the engine up in metrics (the supervisor marks it down).
 pub fn mark_up(engine: &'static str) {
-    metrics::gauge!("pdbridge_engine_up", "engine" => engine).set(1.0);
+    metrics::gauge!(metric::ENGINE_UP.name, "engine" => engine).set(1.0);
 }
 
 /// SIGKILL to whatever is left of our child's process group (`leader` is

@@ -8,6 +8,7 @@ use tracing_subscriber::{EnvFilter, Layer, fmt, layer::SubscriberExt, util::Subs
 
 use crate::{
     config::{LogFormat, TelemetryConfig},
+    metric,
     traces::{Exporting, TracesError},
 };
 
@@ -50,44 +51,26 @@ pub fn metrics_handle() -> PrometheusHandle {
 /// first so the gauge is never written to the no-op default.
 pub fn record_build_info(daemon: &'static str) {
     metrics_handle();
-    metrics::describe_gauge!("pdbridge_build_info", "Build of the running daemon (always 1).");
-    metrics::gauge!("pdbridge_build_info", "daemon" => daemon, "version" => env!("CARGO_PKG_VERSION")).set(1.0);
+    metrics::gauge!(metric::BUILD_INFO.name, "daemon" => daemon, "version" => env!("CARGO_PKG_VERSION")).set(1.0);
 }
 
-/// Registers the metrics both daemons publish, at zero, so a dashboard query
-/// never finds a name missing just because nothing has happened yet.
-pub fn register_common(engine: &'static str, service: &'static str) {
-    metrics::describe_gauge!("pdbridge_engine_up", "1 while the engine child is ready.");
-    metrics::gauge!("pdbridge_engine_up", "engine" => engine).set(0.0);
-    metrics::describe_counter!("pdbridge_engine_restarts_total", "Engine child restarts after a crash.");
-    metrics::counter!("pdbridge_engine_restarts_total", "engine" => engine).absolute(0);
-    metrics::describe_gauge!(
-        "pdbridge_engine_alive",
-        "1 while the engine is up and answers its liveness probe (engine.liveness); 0 while down or stalled."
-    );
+/// Describes the metrics both daemons publish and the daemon's `own`, and registers the common
+/// ones at zero, so a dashboard query never finds a name missing just because nothing has happened
+/// yet.
+pub fn register_common(engine: &'static str, service: &'static str, own: &[metric::Metric]) {
+    metric::describe(metric::COMMON);
+    metric::describe(own);
+    metrics::gauge!(metric::ENGINE_UP.name, "engine" => engine).set(0.0);
+    metrics::counter!(metric::ENGINE_RESTARTS.name, "engine" => engine).absolute(0);
     crate::liveness::mark(engine, false);
-    crate::layers::describe();
     crate::layers::grpc_metrics::register(service);
-    metrics::describe_gauge!(
-        "pdbridge_insecure_listeners",
-        "Listeners reachable from other hosts with nothing authenticating callers (allowed by server.insecure)."
-    );
-    metrics::gauge!("pdbridge_insecure_listeners").set(0.0);
-    metrics::describe_counter!(
-        "pdbridge_trace_spans_total",
-        "Spans sent to telemetry.otlp_endpoint, by outcome (exported, failed: lost with the collector down)."
-    );
-    metrics::describe_histogram!(
-        "pdbridge_stage_seconds",
-        metrics::Unit::Seconds,
-        "Duration of one stage of a request."
-    );
+    metrics::gauge!(metric::INSECURE_LISTENERS.name).set(0.0);
 }
 
 /// Warns about, and counts, listeners that `server.insecure` left open to
 /// other hosts (config keys, e.g. `server.grpc_listen`).
 pub fn record_insecure(listeners: &[&str]) {
-    metrics::gauge!("pdbridge_insecure_listeners").set(listeners.len() as f64);
+    metrics::gauge!(metric::INSECURE_LISTENERS.name).set(listeners.len() as f64);
     if !listeners.is_empty() {
         tracing::warn!(
             listeners = listeners.join(", "),
@@ -99,17 +82,13 @@ pub fn record_insecure(listeners: &[&str]) {
 /// Publishes when the certificate the daemon serves expires (`[tls]`), for an alert well before.
 pub fn record_certificate(tls: Option<&crate::tls::Tls>) {
     if let Some(tls) = tls {
-        metrics::describe_gauge!(
-            "pdbridge_tls_cert_expiry_timestamp_seconds",
-            "When the certificate this daemon serves (tls.cert) expires, in seconds since the epoch."
-        );
-        metrics::gauge!("pdbridge_tls_cert_expiry_timestamp_seconds").set(tls.expires_at() as f64);
+        metrics::gauge!(metric::TLS_CERT_EXPIRY.name).set(tls.expires_at() as f64);
     }
 }
 
 /// Records one stage's duration in `pdbridge_stage_seconds{stage}`.
 pub fn record_stage(stage: &'static str, seconds: f64) {
-    metrics::histogram!("pdbridge_stage_seconds", "stage" => stage).record(seconds);
+    metrics::histogram!(metric::STAGE_SECONDS.name, "stage" => stage).record(seconds);
 }
 
 /// Holds one unit of an "in flight" gauge for as long as it lives.

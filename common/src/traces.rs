@@ -30,7 +30,7 @@ use tracing::{Span, Subscriber};
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 use tracing_subscriber::{Layer, filter::LevelFilter, registry::LookupSpan};
 
-use crate::config::TelemetryConfig;
+use crate::{config::TelemetryConfig, metric};
 
 /// The instrumentation scope of every span pd-bridge makes.
 const SCOPE: &str = "pd-bridge";
@@ -106,7 +106,7 @@ impl<E: SpanExporter> SpanExporter for Counted<E> {
         let spans = batch.len() as u64;
         let result = self.inner.export(batch).await;
         let outcome = if result.is_ok() { "exported" } else { "failed" };
-        metrics::counter!("pdbridge_trace_spans_total", "outcome" => outcome).increment(spans);
+        metrics::counter!(metric::TRACE_SPANS.name, "outcome" => outcome).increment(spans);
         let was_failing = self.failing.swap(result.is_err(), Ordering::Relaxed);
         match &result {
             Err(e) if !was_failing => tracing::warn!(error = %e, "spans are not reaching telemetry.otlp_endpoint"),

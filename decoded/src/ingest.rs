@@ -25,6 +25,7 @@ use tracing::Instrument;
 
 use pdbridge_common::{
     block::{self, BlockKey},
+    metric,
     proto::{self, CacheSpec, Payload, PushOpen, PushReceipt, PushSeal, Shard},
     reason::Reason,
     shard::{ShardError, TensorAssembly},
@@ -103,7 +104,7 @@ impl Drop for Reserved {
 impl PushMemory {
     pub fn new(limit: u64) -> Self {
         let kib = limit.div_ceil(1024).min(Semaphore::MAX_PERMITS as u64) as usize;
-        metrics::gauge!("pdbridge_push_memory_limit_bytes").set(limit as f64);
+        metrics::gauge!(metric::PUSH_MEMORY_LIMIT.name).set(limit as f64);
         let memory = PushMemory { permits: Arc::new(Semaphore::new(kib)), limit };
         memory.publish();
         memory
@@ -120,7 +121,7 @@ impl PushMemory {
 
     fn publish(&self) {
         let free = self.permits.available_permits() as u64 * 1024;
-        metrics::gauge!("pdbridge_push_memory_bytes").set(self.limit.saturating_sub(free) as f64);
+        metrics::gauge!(metric::PUSH_MEMORY.name).set(self.limit.saturating_sub(free) as f64);
     }
 }
 
@@ -349,8 +350,8 @@ impl Ingest {
             return Ok(());
         }
         self.committed += 1;
-        metrics::counter!("pdbridge_store_blocks_committed_total").increment(1);
-        metrics::counter!("pdbridge_push_bytes_total").increment(bytes);
+        metrics::counter!(metric::STORE_BLOCKS_COMMITTED.name).increment(1);
+        metrics::counter!(metric::PUSH_BYTES.name).increment(bytes);
         Ok(())
     }
 

@@ -15,6 +15,7 @@ pub mod store;
 use pdbridge_common::{
     config::{LogFormat, TelemetryConfig},
     daemon::{self, Daemon, Rpc, Shutdown},
+    metric,
     proto::cache_store_server::CacheStoreServer,
     readiness::Readiness,
     telemetry,
@@ -118,7 +119,7 @@ pub async fn serve(listeners: Listeners, config: Config, shutdown: Shutdown) -> 
         quarantined = report.quarantined,
         "store opened"
     );
-    metrics::counter!("pdbridge_store_quarantined_total").absolute(report.quarantined as u64);
+    metrics::counter!(metric::STORE_QUARANTINED.name).absolute(report.quarantined as u64);
     let store = Arc::new(store);
     // The engine outlives the drain: in-flight generations still need it.
     let engine_stop = CancellationToken::new();
@@ -191,39 +192,25 @@ async fn store_status(axum::extract::State(store): axum::extract::State<Arc<Stor
 
 /// decoded's metrics, registered at zero (see `telemetry::register_common`).
 fn register_metrics() {
-    telemetry::register_common("mlx", SERVICES[0]);
-    use front::verdict::metric;
-    metrics::describe_counter!(metric::OUTCOMES, "Front-door answers by verdict outcome and reason.");
-    metrics::describe_histogram!(metric::TTFT, metrics::Unit::Seconds, "Time to first token at the front door.");
-    metrics::describe_gauge!(metric::IN_FLIGHT, "Front-door requests in progress.");
-    metrics::gauge!(metric::IN_FLIGHT).set(0.0);
-    metrics::describe_gauge!("pdbridge_push_streams_in_flight", "Push streams in progress.");
-    metrics::gauge!("pdbridge_push_streams_in_flight").set(0.0);
-    metrics::describe_gauge!("pdbridge_store_leased_blocks", "Blocks held for running generations (never evicted).");
-    metrics::gauge!("pdbridge_store_leased_blocks").set(0.0);
-    for (name, help) in [
-        ("pdbridge_store_evictions_total", "Blocks evicted to stay within the store budget or free space."),
-        ("pdbridge_store_quarantined_total", "Block files quarantined (name, contents or checksum disagree)."),
-        ("pdbridge_store_blocks_committed_total", "Blocks committed from Push streams."),
-        ("pdbridge_push_bytes_total", "Bytes of blocks committed from Push streams."),
-        (metric::UNAUTHORIZED, "Front-door requests refused for a missing or wrong API key."),
+    telemetry::register_common("mlx", SERVICES[0], metric::DECODED);
+    for gauge in [
+        metric::FRONT_IN_FLIGHT,
+        metric::PUSH_STREAMS_IN_FLIGHT,
+        metric::STORE_LEASED_BLOCKS,
+        metric::FRONT_CONNECTIONS_OPEN,
     ] {
-        metrics::describe_counter!(name, help);
-        metrics::counter!(name).absolute(0);
+        metrics::gauge!(gauge.name).set(0.0);
     }
-    metrics::describe_histogram!(
-        "pdbridge_reconstruct_seconds",
-        metrics::Unit::Seconds,
-        "The decoder computing one pushed block's cache from its layer inputs."
-    );
-    metrics::describe_counter!("pdbridge_store_lookups_total", "Prefix lookups, by hit or miss.");
-    metrics::describe_gauge!("pdbridge_front_connections_open", "Front-door connections open now.");
-    metrics::gauge!("pdbridge_front_connections_open").set(0.0);
-    metrics::describe_counter!(
-        "pdbridge_front_connections_refused_total",
-        "Front-door connections closed on accept: their address held front.max_connections_per_peer."
-    );
+    for counter in [
+        metric::STORE_EVICTIONS,
+        metric::STORE_QUARANTINED,
+        metric::STORE_BLOCKS_COMMITTED,
+        metric::PUSH_BYTES,
+        metric::FRONT_UNAUTHORIZED,
+    ] {
+        metrics::counter!(counter.name).absolute(0);
+    }
     for outcome in ["hit", "miss"] {
-        metrics::counter!("pdbridge_store_lookups_total", "outcome" => outcome).absolute(0);
+        metrics::counter!(metric::STORE_LOOKUPS.name, "outcome" => outcome).absolute(0);
     }
 }

@@ -12,6 +12,7 @@ use std::time::Instant;
 
 use bytes::Bytes;
 use pdbridge_common::{
+    metric,
     proto::{CacheSpec, Payload},
     spec,
 };
@@ -72,7 +73,7 @@ pub async fn cache_from_inputs(
     })
     .await?;
     let cache = checked(spec, rows, Bytes::from(read))?;
-    metrics::histogram!("pdbridge_reconstruct_seconds").record(started.elapsed().as_secs_f64());
+    metrics::histogram!(metric::RECONSTRUCT_SECONDS.name).record(started.elapsed().as_secs_f64());
     Ok(cache)
 }
 

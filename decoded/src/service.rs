@@ -6,6 +6,7 @@ use std::{pin::Pin, sync::Arc, time::Duration};
 
 use pdbridge_common::{
     layers::access::{Access, Caller, Rules},
+    metric,
     proto::{
         BundleChunk, CacheSpec, GetBundleRequest, GetSpecRequest, LookupRequest, LookupResponse, PushFrame,
         PushReceipt, PushSeal, cache_store_server::CacheStore, push_frame::Frame,
@@ -199,7 +200,7 @@ impl CacheStore for CacheStoreService {
         let keys = spec::block_keys(&info.spec, &request.token_ids);
         let cached_blocks = self.store.longest_prefix(&keys) as u32;
         let outcome = if cached_blocks > 0 { "hit" } else { "miss" };
-        metrics::counter!("pdbridge_store_lookups_total", "outcome" => outcome).increment(1);
+        metrics::counter!(metric::STORE_LOOKUPS.name, "outcome" => outcome).increment(1);
         Ok(Response::new(LookupResponse {
             cached_blocks,
             cached_tokens: cached_blocks * block_tokens,
@@ -244,7 +245,7 @@ impl CacheStoreService {
         let mut ingest =
             Ingest::open(spec, self.store.clone(), open, self.max_open_blocks, memory, self.engine.clone())
                 .map_err(|e| status_of(&e.into()))?;
-        let _in_flight = telemetry::InFlight::enter("pdbridge_push_streams_in_flight");
+        let _in_flight = telemetry::InFlight::enter(metric::PUSH_STREAMS_IN_FLIGHT.name);
         let received = receive(&mut frames, &mut ingest).await;
         // Whatever ended the stream, blocks that arrived whole still land;
         // only partial ones are dropped with `ingest`.

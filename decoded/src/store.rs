@@ -25,6 +25,7 @@ use std::{
 use bytes::Bytes;
 use pdbridge_common::{
     block::{self, BlockKey},
+    metric,
     proto::{Dtype, engine::BlockMetadata},
 };
 use safetensors::{Dtype as StDtype, tensor::Metadata};
@@ -261,12 +262,7 @@ impl Store {
         }
         store.publish_usage(&index);
         drop(index);
-        metrics::describe_gauge!(
-            "pdbridge_store_budget_bytes",
-            metrics::Unit::Bytes,
-            "Byte budget of the block store."
-        );
-        metrics::gauge!("pdbridge_store_budget_bytes").set(budget_bytes as f64);
+        metrics::gauge!(metric::STORE_BUDGET.name).set(budget_bytes as f64);
         Ok((store, report))
     }
 
@@ -349,7 +345,7 @@ impl Store {
         for key in &leased {
             index.touch(key);
         }
-        metrics::gauge!("pdbridge_store_leased_blocks").set(index.leased_blocks as f64);
+        metrics::gauge!(metric::STORE_LEASED_BLOCKS.name).set(index.leased_blocks as f64);
         let paths = leased.iter().map(|k| self.path_of(k)).collect();
         Lease { store: self.clone(), keys: leased, paths }
     }
@@ -494,7 +490,7 @@ impl Store {
     /// concurrent commit of the same key cannot have its fresh file deleted.
     fn evict(&self, index: &mut MutexGuard<'_, Index>, key: &BlockKey) {
         index.remove(key);
-        metrics::counter!("pdbridge_store_evictions_total").increment(1);
+        metrics::counter!(metric::STORE_EVICTIONS.name).increment(1);
         let path = self.path_of(key);
         if let Err(err) = fs::remove_file(&path) {
             tracing::warn!(path = %path.display(), error = %err, "cannot remove evicted block");
@@ -508,7 +504,7 @@ impl Store {
         let mut index = self.index.lock().unwrap();
         index.remove(key);
         self.publish_usage(&index);
-        metrics::counter!("pdbridge_store_quarantined_total").increment(1);
+        metrics::counter!(metric::STORE_QUARANTINED.name).increment(1);
         let path = self.path_of(key);
         match self.quarantine(&path) {
             Err(StoreError::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => Ok(()),
@@ -518,8 +514,8 @@ impl Store {
 
     /// `pdbridge_store_blocks` and `pdbridge_store_bytes`.
     fn publish_usage(&self, index: &Index) {
-        metrics::gauge!("pdbridge_store_blocks").set(index.entries.len() as f64);
-        metrics::gauge!("pdbridge_store_bytes").set(index.total_bytes as f64);
+        metrics::gauge!(metric::STORE_BLOCKS.name).set(index.entries.len() as f64);
+        metrics::gauge!(metric::STORE_BYTES.name).set(index.total_bytes as f64);
     }
 
     fn evict_over_budget(&self, index: &mut MutexGuard<'_, Index>) {
@@ -640,7 +636,7 @@ impl Drop for Lease {
                 }
             }
         }
-        metrics::gauge!("pdbridge_store_leased_blocks").set(index.leased_blocks as f64);
+        metrics::gauge!(metric::STORE_LEASED_BLOCKS.name).set(index.leased_blocks as f64);
     }
 }
 

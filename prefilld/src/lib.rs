@@ -14,6 +14,7 @@ pub mod stage_listener;
 use pdbridge_common::{
     config::{LogFormat, TelemetryConfig},
     daemon::{self, Daemon, Rpc, Shutdown},
+    metric,
     proto::prefiller_server::PrefillerServer,
     readiness::Readiness,
     telemetry,
@@ -176,36 +177,12 @@ async fn track_readiness(bridge: Arc<Bridge>, decoder: Option<String>, readiness
 
 /// prefilld's metrics, registered at zero (see `telemetry::register_common`).
 fn register_metrics() {
-    telemetry::register_common("vllm", SERVICES[0]);
-    metrics::describe_counter!("pdbridge_prefill_requests_total", "Prefill requests by outcome and reason.");
-    metrics::describe_counter!(
-        "pdbridge_plugin_failures_total",
-        "Requests the vLLM plugin failed, by its reason (proto/engine.proto's PluginFailure)."
-    );
-    metrics::describe_histogram!(
-        "pdbridge_prefill_duration_seconds",
-        metrics::Unit::Seconds,
-        "Prefill request duration, end to end."
-    );
-    metrics::describe_gauge!("pdbridge_prefill_in_flight", "Prefill requests in progress.");
-    metrics::gauge!("pdbridge_prefill_in_flight").set(0.0);
-    metrics::describe_gauge!(
-        "pdbridge_stream_payload_bytes_per_token",
-        metrics::Unit::Bytes,
-        "Cache bytes per token of the last bridged request."
-    );
-    metrics::describe_counter!(
-        stage_listener::CONNECTIONS,
-        "Connections to the stage listener (engine.nodes) by outcome: admitted, or refused (no certificate of the CA, or an identity not in stage_peers)."
-    );
+    telemetry::register_common("vllm", SERVICES[0], metric::PREFILLD);
+    metrics::gauge!(metric::PREFILL_IN_FLIGHT.name).set(0.0);
     for outcome in ["admitted", "refused"] {
-        metrics::counter!(stage_listener::CONNECTIONS, "outcome" => outcome).absolute(0);
+        metrics::counter!(metric::STAGE_CONNECTIONS.name, "outcome" => outcome).absolute(0);
     }
-    for (name, help) in [
-        ("pdbridge_stream_bytes_total", "Payload bytes streamed to decoders."),
-        ("pdbridge_stream_blocks_total", "Blocks streamed to decoders."),
-    ] {
-        metrics::describe_counter!(name, help);
-        metrics::counter!(name).absolute(0);
+    for counter in [metric::STREAM_BYTES, metric::STREAM_BLOCKS] {
+        metrics::counter!(counter.name).absolute(0);
     }
 }

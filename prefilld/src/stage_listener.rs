@@ -10,15 +10,15 @@
 
 use std::{net::SocketAddr, path::PathBuf, sync::Arc, time::Duration};
 
-use pdbridge_common::tls::{self, Tls, TlsError};
+use pdbridge_common::{
+    metric,
+    tls::{self, Tls, TlsError},
+};
 use tokio::net::{TcpListener, TcpStream};
 use tokio_rustls::{TlsAcceptor, server::TlsStream};
 use tokio_util::sync::CancellationToken;
 
 use crate::{capture::Router, config::NodesConfig};
-
-/// Connections to the stage listener by outcome (`admitted`, `refused`).
-pub const CONNECTIONS: &str = "pdbridge_stage_connections_total";
 
 /// Longest a TLS handshake may take: a peer that stalls it holds a task, not the listener.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -70,12 +70,12 @@ impl StageListener {
                 let stream = match this.admit(tcp).await {
                     // Counted before logged: whoever reads the log line finds the count.
                     Ok((stream, peer)) => {
-                        metrics::counter!(CONNECTIONS, "outcome" => "admitted").increment(1);
+                        metrics::counter!(metric::STAGE_CONNECTIONS.name, "outcome" => "admitted").increment(1);
                         tracing::debug!(%addr, peer, "stage connected");
                         stream
                     }
                     Err(why) => {
-                        metrics::counter!(CONNECTIONS, "outcome" => "refused").increment(1);
+                        metrics::counter!(metric::STAGE_CONNECTIONS.name, "outcome" => "refused").increment(1);
                         tracing::warn!(%addr, why, "stage listener: a connection refused");
                         return;
                     }

@@ -12,30 +12,16 @@ use prost::Message;
 use tonic::Code;
 
 use super::metered::{End, Meter};
-
-pub const STARTED: &str = "grpc_server_started_total";
-pub const HANDLED: &str = "grpc_server_handled_total";
-pub const HANDLING: &str = "grpc_server_handling_seconds";
-
-/// Describes the metrics (their help text on `/metrics`).
-pub fn describe() {
-    metrics::describe_counter!(STARTED, "RPCs started on the server.");
-    metrics::describe_counter!(HANDLED, "RPCs completed on the server, by gRPC status code.");
-    metrics::describe_histogram!(
-        HANDLING,
-        metrics::Unit::Seconds,
-        "Time from an RPC's request to the end of its answer (a stream's whole length)."
-    );
-}
+use crate::metric;
 
 /// Publishes `service`'s RPCs at zero (started, and handled under every code, as gRPC's other
 /// implementations do), so a dashboard or an alert finds their series before the first call.
 pub fn register(service: &str) {
     for path in paths_of(service) {
         let rpc = rpc(&path);
-        metrics::counter!(STARTED, &rpc.labels()).absolute(0);
+        metrics::counter!(metric::GRPC_STARTED.name, &rpc.labels()).absolute(0);
         for code in (0..=16).map(Code::from_i32) {
-            metrics::counter!(HANDLED, &rpc.with_code(code)).absolute(0);
+            metrics::counter!(metric::GRPC_HANDLED.name, &rpc.with_code(code)).absolute(0);
         }
     }
 }
@@ -136,8 +122,8 @@ impl Rpc {
     }
 
     fn handled(&self, code: Code, seconds: f64) {
-        metrics::counter!(HANDLED, &self.with_code(code)).increment(1);
-        metrics::histogram!(HANDLING, &self.labels()).record(seconds);
+        metrics::counter!(metric::GRPC_HANDLED.name, &self.with_code(code)).increment(1);
+        metrics::histogram!(metric::GRPC_HANDLING.name, &self.labels()).record(seconds);
     }
 }
 
@@ -153,7 +139,7 @@ impl Meter for GrpcMeter {
 
     fn start<B>(&self, request: &Request<B>) -> Rpc {
         let rpc = rpc(request.uri().path());
-        metrics::counter!(STARTED, &rpc.labels()).increment(1);
+        metrics::counter!(metric::GRPC_STARTED.name, &rpc.labels()).increment(1);
         rpc
     }
 

@@ -8,17 +8,7 @@ use axum::extract::MatchedPath;
 use http::{HeaderMap, Method, Request, StatusCode};
 
 use super::metered::{End, Meter};
-
-pub const REQUEST_DURATION: &str = "http_server_request_duration_seconds";
-
-/// Describes the metric (its help text on `/metrics`).
-pub fn describe() {
-    metrics::describe_histogram!(
-        REQUEST_DURATION,
-        metrics::Unit::Seconds,
-        "Time from an HTTP request to the end of its answer (a stream's whole length), by route and status."
-    );
-}
+use crate::metric;
 
 /// The method as a label: the standard ones by name, any other as `_OTHER` (the convention's
 /// bound on what clients can make up).
@@ -61,6 +51,6 @@ impl Meter for HttpMeter {
             ("http_route", route),
             ("http_response_status_code", status.as_u16().to_string()),
         ];
-        metrics::histogram!(REQUEST_DURATION, &labels).record(seconds);
+        metrics::histogram!(metric::HTTP_REQUEST_DURATION.name, &labels).record(seconds);
     }
 }

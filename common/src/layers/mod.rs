@@ -10,12 +10,6 @@ pub mod metered;
 use http::{HeaderValue, Request};
 use tower_http::request_id::{MakeRequestId, PropagateRequestIdLayer, RequestId, SetRequestIdLayer};
 
-/// Registers the layers' metrics' help text.
-pub fn describe() {
-    grpc_metrics::describe();
-    http_metrics::describe();
-}
-
 /// A request id for a request that came without `x-request-id`.
 #[derive(Clone, Copy, Debug, Default)]
 struct NewRequestId;

@@ -8,11 +8,11 @@ use axum::{
     http::{HeaderMap, header},
     response::Response,
 };
+use pdbridge_common::metric;
 use sha2::{Digest, Sha256};
 
 use super::{Api, error::FrontError};
 use crate::config::ApiKey;
-use crate::front::verdict::metric;
 
 /// The configured keys, kept as digests so a comparison's timing says nothing
 /// about a key's bytes. None configured: everyone is let in.
@@ -51,6 +51,6 @@ pub async fn require_api_key(
     if keys.admits(request.headers()) {
         return next.run(request).await;
     }
-    metrics::counter!(metric::UNAUTHORIZED).increment(1);
+    metrics::counter!(metric::FRONT_UNAUTHORIZED.name).increment(1);
     Api::at(request.uri().path()).respond(Err(FrontError::Unauthorized))
 }

@@ -35,7 +35,7 @@ use axum::{
     response::{IntoResponse, Response},
     routing::{get, post},
 };
-use pdbridge_common::{telemetry, tls::Tls, traces};
+use pdbridge_common::{metric, telemetry, tls::Tls, traces};
 use serde_json::{Value, json};
 use tokio::{
     sync::{OwnedSemaphorePermit, Semaphore},
@@ -56,7 +56,7 @@ use peers::Peers;
 use plan::Prompt;
 use policy::Mode;
 use prefiller::Prefiller;
-use verdict::{Verdict, metric};
+use verdict::Verdict;
 
 /// The request header that picks a mode for A/B runs and debugging.
 const MODE_HEADER: &str = "x-pd-bridge-mode";
@@ -298,7 +298,7 @@ impl Front {
             TokenizeInput::Text { .. } => None,
         };
         let engine = self.engine.as_ref().ok_or(FrontError::EngineUnavailable)?;
-        let _in_flight = telemetry::InFlight::enter(metric::IN_FLIGHT);
+        let _in_flight = telemetry::InFlight::enter(metric::FRONT_IN_FLIGHT.name);
         let tokens = engine.tokenize(input).instrument(tracing::info_span!("front.tokenize")).await?;
         if tokens.is_empty() {
             return Err(FrontError::BadRequest("the prompt tokenizes to nothing".into()));

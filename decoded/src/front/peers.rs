@@ -12,6 +12,7 @@ use axum::{
     response::Response,
 };
 use pdbridge_common::{
+    metric,
     proto::{LookupRequest, cache_store_client::CacheStoreClient},
     tls::{self, Tls},
     traces,
@@ -150,7 +151,7 @@ impl Peers {
         if let Some(verdict) = verdict.and_then(|v| served_by(v, &holder.peer.name, holder.asked.elapsed())) {
             response = response.header(HeaderName::from_static(VERDICT_HEADER), verdict);
         }
-        metrics::counter!("pdbridge_front_forwarded_total", "peer" => holder.peer.name.clone()).increment(1);
+        metrics::counter!(metric::FRONT_FORWARDED.name, "peer" => holder.peer.name.clone()).increment(1);
         let response = response.body(Body::new(reqwest::Body::from(answer)));
         Ok(response.expect("a status and headers taken from a valid response"))
     }

@@ -4,6 +4,7 @@
 
 use pdbridge_common::{
     block::{self, BlockKey},
+    metric,
     proto::CacheSpec,
     reason::Reason,
     spec,
@@ -65,7 +66,7 @@ impl Front {
         }
         let held = self.held(&prompt.keys).await;
         let lookup = if held.cached > 0 { "hit" } else { "miss" };
-        metrics::counter!("pdbridge_store_lookups_total", "outcome" => lookup).increment(1);
+        metrics::counter!(metric::STORE_LOOKUPS.name, "outcome" => lookup).increment(1);
         let situation = Situation {
             mode,
             cached_blocks: held.cached,

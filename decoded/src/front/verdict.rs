@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 
 use axum::{http::HeaderValue, response::Response};
-use pdbridge_common::{reason::Reason, telemetry};
+use pdbridge_common::{metric, reason::Reason, telemetry};
 use serde::Serialize;
 use tokio::time::Instant;
 
@@ -183,14 +183,6 @@ impl serde_json::ser::Formatter for VisibleAscii {
     }
 }
 
-/// Metric names the front door records (registered at start by `decoded::serve`).
-pub mod metric {
-    pub const OUTCOMES: &str = "pdbridge_bridge_outcomes_total";
-    pub const TTFT: &str = "pdbridge_ttft_seconds";
-    pub const UNAUTHORIZED: &str = "pdbridge_front_unauthorized_total";
-    pub const IN_FLIGHT: &str = "pdbridge_front_requests_in_flight";
-}
-
 /// Stages of a front-door request, as `pdbridge_stage_seconds{stage}`.
 pub fn record_stages(verdict: &Verdict, summary: &GenerateSummary) {
     let ms = |key: &str| verdict.timings_ms.get(key).copied();
@@ -209,7 +201,7 @@ pub fn record_stages(verdict: &Verdict, summary: &GenerateSummary) {
 
 pub fn record_outcome(verdict: &Verdict) {
     metrics::counter!(
-        metric::OUTCOMES,
+        metric::BRIDGE_OUTCOMES.name,
         "outcome" => verdict.outcome.label(),
         "reason" => verdict.reason.map_or("none", Reason::label)
     )
@@ -217,7 +209,8 @@ pub fn record_outcome(verdict: &Verdict) {
 }
 
 pub fn record_ttft(verdict: &Verdict, started: Instant) {
-    metrics::histogram!(metric::TTFT, "outcome" => verdict.outcome.label()).record(started.elapsed().as_secs_f64());
+    metrics::histogram!(metric::TTFT.name, "outcome" => verdict.outcome.label())
+        .record(started.elapsed().as_secs_f64());
 }
 
 #[cfg(test)]

@@ -14,6 +14,7 @@ use std::{sync::Arc, time::Duration};
 
 use bytes::Bytes;
 use pdbridge_common::{
+    metric,
     proto::{
         CacheSpec, LookupRequest, Outcome, Payload, PrefillEvent, PushFrame, Route,
         engine::{PluginFailure, PluginParams},
@@ -107,7 +108,7 @@ impl Bridge {
     /// Runs `job`, sending progress and then one outcome to `events`.
     pub async fn run(self: Arc<Self>, mut job: Job, events: mpsc::Sender<PrefillEvent>) {
         let started = Instant::now();
-        let _in_flight = telemetry::InFlight::enter("pdbridge_prefill_in_flight");
+        let _in_flight = telemetry::InFlight::enter(metric::PREFILL_IN_FLIGHT.name);
         let outcome = self.bridge(&mut job, &events).await.unwrap_or_else(|failure| {
             tracing::warn!(
                 request_id = job.request_id,
@@ -257,7 +258,7 @@ fn plugin_error(failure: PluginFailure, message: &str) -> Failure {
         _ => Reason::PrefillFailed,
     };
     let name = failure.as_str_name().trim_start_matches("PLUGIN_FAILURE_").to_ascii_lowercase();
-    metrics::counter!("pdbridge_plugin_failures_total", "failure" => name.clone()).increment(1);
+    metrics::counter!(metric::PLUGIN_FAILURES.name, "failure" => name.clone()).increment(1);
     fail(reason, format!("plugin: {name}: {message}"))
 }
 
@@ -279,8 +280,8 @@ fn record(request_id: &str, outcome: &Outcome, elapsed: Duration) {
         _ => "failed",
     };
     let reason = Reason::from_proto(outcome.reason()).map_or("none", Reason::label);
-    metrics::counter!("pdbridge_prefill_requests_total", "outcome" => label, "reason" => reason).increment(1);
-    metrics::histogram!("pdbridge_prefill_duration_seconds").record(elapsed.as_secs_f64());
+    metrics::counter!(metric::PREFILL_REQUESTS.name, "outcome" => label, "reason" => reason).increment(1);
+    metrics::histogram!(metric::PREFILL_DURATION.name).record(elapsed.as_secs_f64());
     let span = Span::current();
     span.record("pdbridge.outcome", label);
     span.record("pdbridge.blocks", outcome.blocks_committed);

@@ -4,6 +4,7 @@
 use std::{collections::BTreeMap, time::Duration};
 
 use pdbridge_common::{
+    metric,
     proto::{
         self, Outcome, PrefillEvent, Progress, PushFrame, PushOpen, PushReceipt, PushSeal, Route,
         outcome::Status as OutcomeStatus, prefill_event::Event, push_frame::Frame,
@@ -256,11 +257,11 @@ impl<'a> Transfer<'a> {
 impl Sent {
     /// Counts what went on the wire.
     pub(super) fn record(&self, block_tokens: u32) {
-        metrics::counter!("pdbridge_stream_bytes_total").increment(self.bytes);
-        metrics::counter!("pdbridge_stream_blocks_total").increment(u64::from(self.blocks));
+        metrics::counter!(metric::STREAM_BYTES.name).increment(self.bytes);
+        metrics::counter!(metric::STREAM_BLOCKS.name).increment(u64::from(self.blocks));
         let tokens = self.blocks * block_tokens + self.tail_tokens;
         if tokens > 0 {
-            metrics::gauge!("pdbridge_stream_payload_bytes_per_token").set(self.bytes as f64 / f64::from(tokens));
+            metrics::gauge!(metric::STREAM_PAYLOAD_BYTES_PER_TOKEN.name).set(self.bytes as f64 / f64::from(tokens));
         }
     }
 }
