@@ -52,7 +52,9 @@ struct Asked {
 
 impl Rig {
     async fn start() -> Rig {
-        let engines = Engines::locate();
+        // The dense decoder: its fault steps' fallbacks prefill natively (the 4-bit decoder is held
+        // end to end beside another spec, `topology::one_prefiller_serves_decoders_of_two_specs`).
+        let engines = Engines::dense();
         let scratch = Scratch::new("bridge");
         let pki = Pki::new(&["prefill-1", "mac-1"]).await;
         let (decoder_port, hasty_port) = (Reserved::new(), Reserved::new());

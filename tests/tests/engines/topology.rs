@@ -88,20 +88,20 @@ async fn bridges_spread_over_prefillers_and_survive_one_dying_mid_bridge() {
     assert_eq!(answer.text(), native_text(&decoded, &long).await, "the answer after a failover differs");
 }
 
-/// One prefilld and a decoded per entry of `decoders` (its block size, extra `[front]` keys and
-/// the earlier decoders it lists as `[[front.peers]]`, named `decoder-{i}`), each bridging through
-/// that prefilld into its own store (`store-{i}` under `scratch`), all ready.
-pub(crate) async fn one_prefiller_and_decoders(
+/// One prefilld of the test model and a decoded per entry of `decoders` (its engines, block size,
+/// extra `[front]` keys and the earlier decoders it lists as `[[front.peers]]`, named
+/// `decoder-{i}`), each bridging through that prefilld into its own store (`store-{i}` under
+/// `scratch`), all ready.
+async fn one_prefiller_and_decoders(
     scratch: &Scratch,
-    decoders_: &[(u32, String, &[usize])],
+    decoders_: &[(Engines, u32, String, &[usize])],
 ) -> (Daemon, Vec<(Daemon, std::path::PathBuf)>) {
-    let engines = Engines::dense();
     let ports: Vec<Reserved> = decoders_.iter().map(|_| Reserved::new()).collect();
     let addrs: Vec<String> = ports.iter().map(|p| format!("http://{}", p.addr())).collect();
-    let prefilld =
-        Daemon::start("prefilld", &engines.prefilld_config(&scratch.0.join("prefilld"), &decoders(&addrs))).await;
+    let prefilld_config = Engines::locate().prefilld_config(&scratch.0.join("prefilld"), &decoders(&addrs));
+    let prefilld = Daemon::start("prefilld", &prefilld_config).await;
     let mut started: Vec<(Daemon, std::path::PathBuf)> = Vec::new();
-    for (i, (port, (block_tokens, extra, peers))) in ports.into_iter().zip(decoders_).enumerate() {
+    for (i, (port, (engines, block_tokens, extra, peers))) in ports.into_iter().zip(decoders_).enumerate() {
         let mut front = format!(
             "[front]\nlisten = \"127.0.0.1:0\"\nprefilld = \"http://{}\"\nmin_bridge_tokens = {block_tokens}\n{extra}\n",
             prefilld.grpc
@@ -124,9 +124,11 @@ pub(crate) async fn one_prefiller_and_decoders(
     (prefilld, started)
 }
 
-/// One prefilld (one vLLM) for three decoders: two of different specs (64- and 32-token blocks),
-/// bridged at once, each get their own spec's blocks, in their own store only, and answer as they
-/// do natively. The third shares the first's spec and lists it as a peer: the prompt sent there
+/// One prefilld (one vLLM) for three decoders: two of different specs (the test model's dense
+/// decoder in 64-token blocks, its 4-bit one in 32: the engines tier's 4-bit decoder end to end,
+/// its bundle's quantized projections reconstructing on the prefill side), bridged at once, each
+/// get their own spec's blocks, in their own store only, and answer as they do natively. The
+/// third shares the first's spec and lists it as a peer: the prompt sent there
 /// is answered by the first from its store; asked to bridge it itself, the third computes its own
 /// cache from the layer inputs and stores what prefilld computed for the first
 /// ([`exact`](crate::exact)).
@@ -137,7 +139,11 @@ async fn one_prefiller_serves_decoders_of_two_specs_at_once_peers_share_and_one_
     let down = Reserved::new().addr();
     let third =
         format!("reconstruct_on = \"decoder\"\n[[front.peers]]\naddr = \"http://{down}\"\nfront = \"http://{down}\"\n");
-    let decoders = [(64, String::new(), &[][..]), (32, String::new(), &[]), (64, third, &[0])];
+    let decoders = [
+        (Engines::dense(), 64, String::new(), &[][..]),
+        (Engines::locate(), 32, String::new(), &[]),
+        (Engines::dense(), 64, third, &[0]),
+    ];
     let (_prefilld, started) = one_prefiller_and_decoders(&scratch, &decoders).await;
     // The same prompt for both at once: two prefills of the same tokens, each for its own spec.
     let prompt = shared_prompt();
