@@ -476,15 +476,15 @@ def run_all(args, tmp: Path, R: dict):
     log(f"item 1: {s1['tensors_exact']}/{s1['tensors_total']} tensors bit-exact, max ulp {s1['max_ulp']}")
 
     # item 3: the adapter's export → block files → the adapter's restore → generation
-    from pdbridge_cache.proto import engine_pb2
+    from pdbridge_testkit.decoder import export_blocks
 
-    exp = dec.engine.export(engine_pb2.ExportRequest(tokens=probe_ids, dir=str(tmp / "export")))
-    rt = dec.run(dec.q4, probe_ids, block_files=list(exp.files))
+    exported_files = export_blocks(dec.engine, probe_ids, tmp / "export")
+    rt = dec.run(dec.q4, probe_ids, block_files=exported_files)
     same_lp = bool(np.array_equal(rt["logprobs"].view(np.uint32), native_probe["logprobs"].view(np.uint32)))
-    exported = load_blocks_safetensors(list(exp.files))
+    exported = load_blocks_safetensors(exported_files)
     files_exact = all(np.array_equal(exported[l][j].view(np.uint32), native_kv[l][j].view(np.uint32))
                       for l in range(L) for j in (0, 1))
-    R["roundtrip"] = {"prompt_tokens": len(probe_ids), "blocks": exp["blocks"],
+    R["roundtrip"] = {"prompt_tokens": len(probe_ids), "blocks": len(exported_files),
                       "restored_tokens": rt["cached"], "block_files_equal_native_cache": files_exact,
                       "first_logprobs_bit_identical": same_lp,
                       "greedy_tokens_identical": rt["tokens"] == native_probe["tokens"],

@@ -220,11 +220,10 @@ def rounding_flips(engine, tokens: list[int], paths: list[str], export_dir: Path
 
     import mlx.core as mx
     from pdbridge_cache.kinds import POOLED, codec_for
-    from pdbridge_cache.proto import engine_pb2
+    from pdbridge_testkit.decoder import export_blocks
 
     shutil.rmtree(export_dir, ignore_errors=True)
-    own = list(engine.export(engine_pb2.ExportRequest(tokens=tokens[:len(paths) * BLOCK_TOKENS],
-                                                      dir=str(export_dir))).files)
+    own = export_blocks(engine, tokens[:len(paths) * BLOCK_TOKENS], export_dir)
     pooled = [i for i, c in enumerate(engine.templates) if codec_for(c).kind == POOLED]
     counts: dict = {}
     identical = 0

@@ -18,8 +18,8 @@ from mlx_lm.models.cache import CacheList, KVCache, make_prompt_cache
 from pdbridge_cache import kinds
 from pdbridge_cache.check import native_prefill, same_input
 from pdbridge_cache.layers import CachePath, effective_rope
-from pdbridge_cache.proto import engine_pb2
 from pdbridge_mlx.engine import Engine
+from pdbridge_testkit.decoder import export_blocks
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -205,9 +205,9 @@ class CacheKindsTest(unittest.TestCase):
         self.assertEqual(result.tensors_total, 5 * sum(len(l["tensors"]) for l in layers))
         self.assertEqual(result.tensors_exact, result.tensors_total, result)
 
-        exported = engine.export(engine_pb2.ExportRequest(tokens=prompt, dir=str(Path(self.tmp.name, "v41-blocks"))))
-        self.assertEqual(exported.blocks, 5)
-        cache, cached = engine.restore(exported.files[:3], None, self.tokens, None)
+        exported = export_blocks(engine, prompt, Path(self.tmp.name, "v41-blocks"))
+        self.assertEqual(len(exported), 5)
+        cache, cached = engine.restore(exported[:3], None, self.tokens, None)
         self.assertEqual((cached, [c.offset for c in cache]), (3 * BLOCK, [3 * BLOCK] * 4))
 
         def greedy(cache, tokens):
@@ -217,7 +217,7 @@ class CacheKindsTest(unittest.TestCase):
 
         self.assertEqual(greedy(cache, self.tokens[cached:]), greedy(make_prompt_cache(engine.model), self.tokens))
         with self.assertRaisesRegex(Exception, "cannot be rewound"):  # blocks ending with the last token
-            engine.restore(list(exported.files), None, prompt, None)
+            engine.restore(exported, None, prompt, None)
         with self.assertRaisesRegex(ValueError, "mxfp8 cannot hold"):  # values mlx-lm never rounded
             kinds.codec_for(cache[0]).pack({"window": mx.random.normal((1, 32, 64), key=mx.random.key(0))})
         for block_tokens, reason in [(40, "leaves 8 in an open compression group"),

@@ -49,9 +49,6 @@ unusable block's index in the request's `blocks`; the tail's is len(blocks)).
   and the prompt prefilled. The EOS token is not streamed; `done.text` carries
   text held back until the end (the detokenizer's, an unfinished stop sequence
   or tool call).
-* `{"export": {"tokens", "dir", "block_tokens"?, "spec_fingerprint"?,
-  "keys"?}}` -> the decoder's native cache of `tokens`, one file per whole
-  block, `{"export": {"blocks", "files", "timings_ms"}}`.
 * `{"reconstruct": {"inputs", "offset", "out"}}` -> the cache of one block's
   layer inputs (`"{layer}.input"`) computed with the decoder's own modules,
   written to `out`, `{"reconstruct": {"rows", "timings_ms"}}`.
@@ -69,7 +66,7 @@ metadata {"format": "pdbridge-block-v2", "pdbridge": a BlockMetadata's proto3 JS
 Model work runs on one thread (MLX is not thread-safe). Generations share it as
 one continuous batch of up to --max-batch (mlx-lm's BatchGenerator; a request's
 restored cache joins as its prompt cache), joining and leaving between steps;
-export, seeded sampling (temperature > 0 with a seed: mlx-lm samples from one
+seeded sampling (temperature > 0 with a seed: mlx-lm samples from one
 global generator) and caches mlx-lm cannot batch (quantized KV) run alone, after
 the batch drains. info and tokenize answer on the connection's own thread, also
 while generations run.

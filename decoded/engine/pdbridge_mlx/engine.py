@@ -2,7 +2,7 @@
 
 Everything here except `info` and `tokenize` touches MLX and must run on the
 adapter's single model thread (MLX is not thread-safe); the server enforces it.
-mlx-lm's API is used: `load`, `stream_generate`/`generate_step` with
+mlx-lm's API is used: `load`, `stream_generate` with
 `prompt_cache=` and `kv_bits=`, `make_prompt_cache`, the cache classes' `state`,
 the tokenizer wrapper, and `mlx.core` ops; beyond it only what mlx-lm's own
 server uses from `mlx_lm.generate` (`BatchGenerator`, `TextStateMachine`), on
@@ -24,13 +24,12 @@ from typing import Callable
 
 import mlx.core as mx
 from mlx_lm import load, stream_generate
-from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 from google.protobuf import json_format
 from pdbridge_cache import blockfile, kinds
 from pdbridge_cache.format import (
-    PER_TOKEN, ROOT_KEY, TOKENIZER_FILES, proto_dtype, safetensors_dtype, tensor_shape,
+    TOKENIZER_FILES, proto_dtype, safetensors_dtype, tensor_shape,
 )
 from pdbridge_cache.layers import CachePath, effective_rope, versions
 from pdbridge_cache.proto import bridge_pb2, engine_pb2
@@ -38,12 +37,12 @@ from pdbridge_cache.safetensors_io import dtype_name, serialize, write_atomic
 
 from .chat import ChatTokenizer
 from .errors import BadRequest, BlockUnusable, Cancelled, StartupError
-from .generation import Job, Output, Params, ms, parse_tokens
+from .generation import Job, Output, Params, ms
 
 log = logging.getLogger("pdbridge_mlx")
 
-# generate_step's and mlx_lm.server's default; export must chunk exactly as a
-# native generation would so its blocks are the decoder's own cache.
+# generate_step's and mlx_lm.server's default: a native generation's chunks (the test kit's export
+# chunks the same, so its blocks are the decoder's own cache).
 PREFILL_STEP_SIZE = 2048
 
 
@@ -281,66 +280,6 @@ class Engine:
                     return
         finally:
             responses.close()
-
-    def export(self, req: engine_pb2.ExportRequest) -> engine_pb2.ExportReply:
-        """Computes the decoder's native cache for `tokens` and writes each
-        whole block as a block file."""
-        tokens = parse_tokens(req.tokens, self.spec["vocab_size"])
-        out_dir = req.dir
-        if not out_dir:
-            raise BadRequest("dir must be a path")
-        block_tokens = req.block_tokens or self.block_tokens
-        spec_fp = req.spec_fingerprint
-        n = len(tokens) // block_tokens
-        keys = list(req.keys) or None
-        if keys is not None and len(keys) < n:
-            raise BadRequest(f"keys must be a list of at least {n} hex strings")
-        os.makedirs(out_dir, exist_ok=True)
-
-        start = time.perf_counter()
-        cache = make_prompt_cache(self.model)
-        # A recurrent layer's state or a pooled layer's window after each block: the prompt is
-        # prefilled block by block (the cache comes out the same whatever the chunking), its rows as
-        # a native generation would.
-        chunks = [tokens[i * block_tokens:(i + 1) * block_tokens] for i in range(n)] if self.per_block else [tokens]
-        states: list[dict[int, dict[str, mx.array]]] = []
-        for chunk in chunks if n else []:
-            # max_tokens=0 stops right after the chunk's last token is processed.
-            for _ in generate_step(
-                mx.array(chunk), self.model, prompt_cache=cache,
-                max_tokens=0, prefill_step_size=PREFILL_STEP_SIZE, **self.kv_args,
-            ):
-                pass
-            states.append({layer: kinds.codec_for(c).block_tensors(c, block_tokens) for layer, c in enumerate(cache)
-                           if kinds.codec_for(c).extent != PER_TOKEN})
-        prefill_ms = ms(start)
-
-        t_write = time.perf_counter()
-        prefilled = sum(len(c) for c in chunks) if n else 0
-        rows = {layer: kinds.codec_for(c).tensors(c) for layer, c in enumerate(cache)
-                if n and kinds.codec_for(c).extent == PER_TOKEN}
-        for layer, r in rows.items():
-            if any(a.shape[kinds.TOKEN_AXIS] != prefilled for a in r.values()):
-                raise BadRequest(f"layer {layer}'s {type(cache[layer]).__name__} no longer holds every "
-                                 "prompt token; its blocks cannot be exported")
-        files = []
-        for i in range(n):
-            lo, hi = i * block_tokens, (i + 1) * block_tokens
-            state = states[i if self.per_block else 0]
-            tensors = sorted(
-                [(f"{layer}.{name}", a[..., lo:hi, :]) for layer, r in rows.items() for name, a in r.items()]
-                + [(f"{layer}.{name}", a) for layer, t in state.items() for name, a in t.items()],
-                key=lambda named: int(named[0].split(".")[0]),
-            )
-            metadata = blockfile.metadata(engine_pb2.BlockMetadata(
-                index=i, token_ids=tokens[lo:hi], spec_fingerprint=spec_fp,
-                key=keys[i] if keys else "", parent=(keys[i - 1] if i else ROOT_KEY) if keys else "",
-                data_sha256=blockfile.data_sha256(dict(tensors)),
-            ))
-            path = os.path.join(os.path.abspath(out_dir), f"block-{i:06}.safetensors")
-            write_atomic(path, serialize(tensors, metadata))
-            files.append(path)
-        return engine_pb2.ExportReply(blocks=n, files=files, timings_ms={"prefill": prefill_ms, "write": ms(t_write)})
 
     def reconstruct(self, req: engine_pb2.ReconstructRequest) -> engine_pb2.ReconstructReply:
         """The decoder's cache for a block's layer inputs, computed here with the decoder's own

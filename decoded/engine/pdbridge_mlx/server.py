@@ -1,7 +1,7 @@
 """Command line, unix-socket server and the single model thread.
 
 Connections are served on their own threads so cheap ops (info, tokenize)
-answer at once; model work (generate, export, reconstruct) goes to ONE thread,
+answer at once; model work (generate, reconstruct) goes to ONE thread,
 because MLX is not thread-safe: generations share it as a continuous batch,
 a bridged block's reconstruction runs between two of its steps, anything else
 runs alone. A connection's thread sends its generation's lines, so a slow reader
@@ -50,7 +50,7 @@ class _Shutdown(BaseException):
 class ModelThread:
     """All MLX work, on one daemon thread (MLX is not thread-safe).
 
-    Exclusive work (the model load, export, a generation that cannot join a batch) runs alone, in
+    Exclusive work (the model load, a generation that cannot join a batch) runs alone, in
     arrival order. Generations that can join run together as one continuous batch of at most
     `max_batch`, joining and leaving between steps. Exclusive work waits for the batch to drain
     and holds back later arrivals meanwhile, so nothing waits forever (mlx_lm.server's policy).
@@ -237,16 +237,11 @@ class Handler:
                 f"queue_ms={t['queue']} restore_ms={t['restore']} prefill_ms={t['prefill']} "
                 f"first_token_ms={t['first_token']} decode_ms={t['decode']} "
             )
-        if op == "export":
-            reply = self.model_thread.call(self.engine.export, req)
-            _send(conn, engine_pb2.Reply(export=reply))
-            t = reply.timings_ms
-            return f"tokens={len(req.tokens)} blocks={reply.blocks} prefill_ms={t['prefill']} write_ms={t['write']} "
         if op == "reconstruct":
             reply = self.model_thread.between_steps(self.engine.reconstruct, req)
             _send(conn, engine_pb2.Reply(reconstruct=reply))
             return f"offset={req.offset} rows={reply.rows} reconstruct_ms={reply.timings_ms['reconstruct']} "
-        raise BadRequest("the request names no op (expected info, tokenize, generate, export or reconstruct)")
+        raise BadRequest("the request names no op (expected info, tokenize, generate or reconstruct)")
 
     @staticmethod
     def _send_error(conn: socket.socket, error: engine_pb2.Error) -> None:
@@ -260,7 +255,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m pdbridge_mlx",
         description="pd-bridge decode engine adapter: serves an mlx-lm model over a unix socket "
-        "(ops: info, tokenize, generate, export, reconstruct; one request line per connection, "
+        "(ops: info, tokenize, generate, reconstruct; one request line per connection, "
         "proto/engine.proto as proto3 JSON).",
     )
     p.add_argument("--model", required=True, help="mlx-lm model folder")

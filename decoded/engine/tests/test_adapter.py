@@ -4,7 +4,9 @@ The protocol, the blocks and the batch run on the seeded generated Llama 3 check
 (models/tiny-llama3-mlx, scripts/make-tiny-model.py: two layers, SmolLM2's tokenizer), which
 answers ~100x faster than the real one on this CPU; what depends on the real checkpoint (its spec,
 its 4-bit bundle, a tool call the model makes) runs on models/smollm2-mlx (scripts/prepare-model.py),
-whose 4-bit CPU prefill is ~8 tokens/s. PDB_TEST_MODEL points the first part elsewhere.
+whose 4-bit CPU prefill is ~8 tokens/s. PDB_TEST_MODEL points the first part elsewhere. The
+decoder's own cache as block files (the reference bridged blocks are held to) comes from the test
+kit's `export_blocks`, run by the adapter's engine in this process.
 
 Run (from the repository root):
     flock /tmp/pdb-heavy.lock .venv/bin/python -m unittest discover -s decoded/engine/tests -p test_adapter.py -v
@@ -29,6 +31,7 @@ from pathlib import Path
 from google.protobuf import json_format
 from pdbridge_cache import blockfile
 from pdbridge_cache.proto import engine_pb2
+from pdbridge_testkit.decoder import export_blocks
 
 ROOT = Path(__file__).resolve().parents[3]
 ENGINE_DIR = ROOT / "decoded" / "engine"
@@ -203,9 +206,13 @@ class AdapterTest(unittest.TestCase):
         cls.info = cls.adapter.request({"op": "info"})[0]
         cls.tokens = cls.adapter.request({"op": "tokenize", "messages": MESSAGES})[0]["tokens"]
         cls.native = cls.generate(cls.tokens)
-        cls.block_dir = os.path.join(cls.tmp.name, "blocks")
-        cls.export = cls.adapter.request({"op": "export", "tokens": cls.tokens, "dir": cls.block_dir,
-                                          "block_tokens": BLOCK})[-1]
+        # The decoder's own cache as block files, computed in this process by the adapter's engine.
+        import mlx.core as mx
+        from pdbridge_mlx.engine import Engine
+
+        cls.engine = Engine(str(MODEL), block_tokens=BLOCK, dtype=mx.float32,
+                            bundle_dir=os.path.join(cls.tmp.name, "bundle"))
+        cls.files = export_blocks(cls.engine, cls.tokens, os.path.join(cls.tmp.name, "blocks"))
 
     @classmethod
     def tearDownClass(cls):
@@ -281,8 +288,8 @@ class AdapterTest(unittest.TestCase):
 
     def test_generation_from_exported_blocks_is_identical(self):
         n = len(self.tokens) // BLOCK
-        self.assertEqual(self.export["blocks"], n)
-        lines, done = self.generate(self.tokens, self.export["files"])
+        self.assertEqual(len(self.files), n)
+        lines, done = self.generate(self.tokens, self.files)
         self.assertEqual(done["cached_tokens"], n * BLOCK)
         self.assertEqual([l["id"] for l in lines], [l["id"] for l in self.native[0]])
         self.assertEqual([l["text"] for l in lines], [l["text"] for l in self.native[0]])
@@ -292,20 +299,20 @@ class AdapterTest(unittest.TestCase):
     def test_blocks_covering_the_whole_prompt_leave_the_last_token(self):
         prompt = self.tokens[: 5 * BLOCK]  # a prompt that is exactly whole blocks
         native_lines, native_done = self.generate(prompt)
-        lines, done = self.generate(prompt, self.export["files"][:5])
+        lines, done = self.generate(prompt, self.files[:5])
         self.assertEqual(done["cached_tokens"], len(prompt) - 1)
         self.assertEqual([l["id"] for l in lines], [l["id"] for l in native_lines])
         self.assertEqual(done["finish_reason"], native_done["finish_reason"])
 
     def test_seeded_sampling_is_reproducible(self):
-        files = self.export["files"]
+        files = self.files
         runs = [self.generate(self.tokens, files, temperature=0.9, top_p=0.9, seed=7)[0] for _ in range(2)]
         self.assertEqual([l["id"] for l in runs[0]], [l["id"] for l in runs[1]])
 
     def test_a_client_that_leaves_cancels_its_generation(self):
         cancelled = "op=generate cancelled: client went away"
         before = self.adapter.log().count(cancelled)
-        running = Running(self.adapter.socket, {"tokens": self.tokens, "blocks": self.export["files"],
+        running = Running(self.adapter.socket, {"tokens": self.tokens, "blocks": self.files,
                                                 "max_tokens": LONG}).started()
         running.leave()
         deadline = time.monotonic() + 60
@@ -313,7 +320,7 @@ class AdapterTest(unittest.TestCase):
             time.sleep(0.05)
         self.assertEqual(self.adapter.log().count(cancelled), before + 1, self.adapter.log())
         self.assertLess(len(running.lines), LONG, "the generation ran to its end")
-        _, done = self.generate(self.tokens, self.export["files"], max_tokens=1)
+        _, done = self.generate(self.tokens, self.files, max_tokens=1)
         self.assertEqual(done["completion_tokens"], 1)
 
     def test_a_client_gone_before_its_answer_is_told_not_failed(self):
@@ -338,7 +345,7 @@ class AdapterTest(unittest.TestCase):
     def test_exported_blocks_match_the_spec(self):
         import mlx.core as mx
 
-        files = self.export["files"]
+        files = self.files
         self.assertEqual([os.path.basename(f) for f in files],
                          [f"block-{i:06}.safetensors" for i in range(len(files))])
         for i, path in enumerate(files):
@@ -361,19 +368,18 @@ class AdapterTest(unittest.TestCase):
     def test_export_with_fingerprint_and_keys(self):
         spec_fp, keys = "ab" * 32, ["%064x" % (i + 1) for i in range(2)]
         out = os.path.join(self.tmp.name, "keyed")
-        reply = self.adapter.request({"op": "export", "tokens": self.tokens[: 2 * BLOCK + 3], "dir": out,
-                                      "spec_fingerprint": spec_fp, "keys": keys})[-1]
-        self.assertEqual(reply["blocks"], 2, reply)
+        files = export_blocks(self.engine, self.tokens[: 2 * BLOCK + 3], out, spec_fingerprint=spec_fp, keys=keys)
+        self.assertEqual(len(files), 2, files)
         import mlx.core as mx
 
-        for i, path in enumerate(reply["files"]):
+        for i, path in enumerate(files):
             block = blockfile.read(mx.load(path, return_metadata=True)[1])
             self.assertEqual((block.spec_fingerprint, block.key, block.parent),
                              (spec_fp, keys[i], keys[i - 1] if i else "00" * 32))
         # A request naming the same spec accepts them; another spec is refused.
-        _, done = self.generate(self.tokens, reply["files"], spec_fingerprint=spec_fp, max_tokens=1)
+        _, done = self.generate(self.tokens, files, spec_fingerprint=spec_fp, max_tokens=1)
         self.assertEqual(done["cached_tokens"], 2 * BLOCK)
-        lines = self.adapter.request({"op": "generate", "tokens": self.tokens, "blocks": reply["files"],
+        lines = self.adapter.request({"op": "generate", "tokens": self.tokens, "blocks": files,
                                       "spec_fingerprint": "cd" * 32, "max_tokens": 1})
         self.assert_bad_request(lines, "spec_fingerprint")
 
@@ -384,7 +390,7 @@ class AdapterTest(unittest.TestCase):
         the checks after the checksum are what refuses it."""
         import mlx.core as mx
 
-        arrays, meta = mx.load(self.export["files"][0], return_metadata=True)
+        arrays, meta = mx.load(self.files[0], return_metadata=True)
         block = blockfile.read(meta)
         block.ClearField("data_sha256")
         meta = blockfile.metadata(block)
@@ -395,7 +401,7 @@ class AdapterTest(unittest.TestCase):
 
     def _generate_with_block0(self, path: str) -> list[dict]:
         return self.adapter.request({"op": "generate", "tokens": self.tokens,
-                                     "blocks": [path, *self.export["files"][1:]], "max_tokens": 4})
+                                     "blocks": [path, *self.files[1:]], "max_tokens": 4})
 
     def test_refuses_a_block_with_a_wrong_shape(self):
         path = self._tampered("short", lambda a: a.update({"1.keys": a["1.keys"][:, :, : BLOCK // 2, :]}))
@@ -412,7 +418,7 @@ class AdapterTest(unittest.TestCase):
         self.assert_bad_request(self._generate_with_block0(path), "0.values is F16")
 
     def test_refuses_blocks_out_of_order_or_for_other_tokens(self):
-        files = self.export["files"]
+        files = self.files
         lines = self.adapter.request({"op": "generate", "tokens": self.tokens, "blocks": [files[1], files[0]]})
         self.assert_bad_request(lines, "metadata index=1, expected 0")
         other = [t for t in self.tokens]
@@ -428,7 +434,7 @@ class AdapterTest(unittest.TestCase):
         self.assertIn(needle, lines[0]["error"])
 
     def test_a_missing_or_rotten_block_is_named_as_unusable(self):
-        files = self.export["files"]
+        files = self.files
         lines = self.adapter.request({"op": "generate", "tokens": self.tokens, "blocks": [files[0], "/nonexistent/b"]})
         self.assert_block_unusable(lines, 1, "no such file")
         # One flipped bit in the last tensor byte: the file still parses.
@@ -445,7 +451,8 @@ class AdapterTest(unittest.TestCase):
 
     def test_reconstruct_from_the_decoders_layer_inputs_is_its_exported_cache(self):
         """Given its own layer inputs for block 1 (RoPE offset 16), the reconstruct op writes the
-        cache the adapter exports for that block, bit for bit; malformed inputs are refused."""
+        decoder's own cache for that block (the test kit's export), bit for bit; malformed inputs
+        are refused."""
         import mlx.core as mx
         import numpy as np
         from pdbridge_testkit.decoder import decoder_native_cache  # captured from mlx-lm's prefill
@@ -457,7 +464,7 @@ class AdapterTest(unittest.TestCase):
         mx.save_safetensors(inputs, {f"{i}.input": mx.array(rows[:, i, :]) for i in layers})
         reply = self.adapter.request({"op": "reconstruct", "inputs": inputs, "offset": BLOCK, "out": out})
         self.assertEqual(reply[-1].get("rows"), BLOCK, reply)
-        got, want = mx.load(out), mx.load(self.export["files"][1])
+        got, want = mx.load(out), mx.load(self.files[1])
         self.assertEqual(set(got), set(want))
         for name, a in want.items():
             self.assertTrue(np.array_equal(np.array(got[name]).view(np.uint32), np.array(a).view(np.uint32)), name)
@@ -516,7 +523,7 @@ class AdapterTest(unittest.TestCase):
         long one (~8 s alone on a CPU core) outlasts the two short ones (<1 s) several times over."""
         long = 512
         running = Running(self.adapter.socket, {"tokens": self.tokens, "max_tokens": long}).started()
-        short = [self.generate(self.tokens, self.export["files"], max_tokens=4) for _ in range(2)]
+        short = [self.generate(self.tokens, self.files, max_tokens=4) for _ in range(2)]
         self.assertFalse(running.done.is_set(), "the short answers waited for the long one")
         long_lines = running.finished()
         long_alone = self.generate(self.tokens, max_tokens=long)
