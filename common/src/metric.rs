@@ -48,16 +48,16 @@ impl Metric {
 
 /// Describes `metrics` (their help text and unit on `/metrics`).
 pub fn describe(metrics: &[Metric]) {
-    for m in metrics {
-        match (m.kind, m.unit()) {
-            (Type::Counter, Some(unit)) => metrics::describe_counter!(m.name, unit, m.help),
-            (Type::Counter, None) => metrics::describe_counter!(m.name, m.help),
-            (Type::Gauge, Some(unit)) => metrics::describe_gauge!(m.name, unit, m.help),
-            (Type::Gauge, None) => metrics::describe_gauge!(m.name, m.help),
-            (Type::Histogram, Some(unit)) => metrics::describe_histogram!(m.name, unit, m.help),
-            (Type::Histogram, None) => metrics::describe_histogram!(m.name, m.help),
+    metrics::with_recorder(|recorder| {
+        for m in metrics {
+            let (name, unit, help) = (m.name.into(), m.unit(), m.help.into());
+            match m.kind {
+                Type::Counter => recorder.describe_counter(name, unit, help),
+                Type::Gauge => recorder.describe_gauge(name, unit, help),
+                Type::Histogram => recorder.describe_histogram(name, unit, help),
+            }
         }
-    }
+    });
 }
 
 // ---- Both daemons -----------------------------------------------------------------------------
@@ -266,6 +266,21 @@ mod tests {
         for m in &all {
             assert_eq!(m.kind == Type::Counter, m.name.ends_with("_total"), "{}", m.name);
             assert!(!m.help.is_empty() && m.labels.iter().all(|l| !l.is_empty()), "{}", m.name);
+        }
+    }
+
+    #[test]
+    fn described_metrics_are_exported_with_their_help() {
+        let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
+        let handle = recorder.handle();
+        metrics::with_local_recorder(&recorder, || {
+            describe(COMMON);
+            metrics::counter!(ENGINE_RESTARTS.name, "engine" => "mlx").increment(1);
+            metrics::histogram!(STAGE_SECONDS.name, "stage" => "bridge").record(0.5);
+        });
+        let text = handle.render();
+        for m in [ENGINE_RESTARTS, STAGE_SECONDS] {
+            assert!(text.contains(&format!("# HELP {} {}\n", m.name, m.help)), "{text}");
         }
     }
 }

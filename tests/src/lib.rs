@@ -488,11 +488,12 @@ impl Engines {
         Engines { decoder_model: engines.prefill_model.clone(), ..engines }
     }
 
-    /// The environment both daemons give their engines: MLX's CPU backend (the decoder's, and the
-    /// prefill side's reconstruction) multiplies on [`Engines::openblas`], one thread per process
-    /// (the tests' processes already share two cores; a second BLAS thread only spins).
-    fn engine_env(&self) -> String {
-        format!("LD_PRELOAD = {:?}\nOPENBLAS_NUM_THREADS = \"1\"\n", self.openblas())
+    /// The environment both daemons give their engines, as TOML `key = value` pairs: MLX's CPU
+    /// backend (the decoder's, and the prefill side's reconstruction) multiplies on
+    /// [`Engines::openblas`], one thread per process (the tests' processes already share two
+    /// cores; a second BLAS thread only spins).
+    fn engine_env(&self) -> [String; 2] {
+        [format!("LD_PRELOAD = {:?}", self.openblas()), "OPENBLAS_NUM_THREADS = \"1\"".into()]
     }
 
     /// The OpenBLAS the engines' environment holds (opencv-python-headless's): MLX's CPU backend on
@@ -521,7 +522,7 @@ impl Engines {
              [engine]\npython = {python:?}\nadapter_dir = {adapter:?}\nmodel = {model:?}\nsocket = {socket:?}\n\
              env = {{ {env} }}\n{extra}",
             server = loopback_config("prefilld", "5s"),
-            env = self.engine_env().trim_end().replace('\n', ", "),
+            env = self.engine_env().join(", "),
             store = store_dir,
             python = self.python,
             adapter = self.adapter_dir,
@@ -553,9 +554,9 @@ impl Engines {
         format!(
             "{server}[engine]\npython = {python:?}\nplugin_dir = {plugin:?}\nmodel = {model:?}\ndtype = {dtype:?}\n\
              max_model_len = 4096\nplugin_socket = {socket:?}\nbundle_dir = {bundles:?}\n{args}\
-             [engine.env]\nVLLM_CPU_KVCACHE_SPACE = \"1\"\nVLLM_CPU_NUM_OF_RESERVED_CPU = \"1\"\n{env}{env_keys}{extra}",
+             [engine.env]\nVLLM_CPU_KVCACHE_SPACE = \"1\"\nVLLM_CPU_NUM_OF_RESERVED_CPU = \"1\"\n{env}\n{env_keys}{extra}",
             server = loopback_config("prefilld", "5s"),
-            env = self.engine_env(),
+            env = self.engine_env().join("\n"),
             python = self.python,
             plugin = self.plugin_dir,
             model = self.prefill_model,

@@ -305,8 +305,7 @@ class AdapterTest(unittest.TestCase):
         self.assertEqual(done["finish_reason"], native_done["finish_reason"])
 
     def test_seeded_sampling_is_reproducible(self):
-        files = self.files
-        runs = [self.generate(self.tokens, files, temperature=0.9, top_p=0.9, seed=7)[0] for _ in range(2)]
+        runs = [self.generate(self.tokens, self.files, temperature=0.9, top_p=0.9, seed=7)[0] for _ in range(2)]
         self.assertEqual([l["id"] for l in runs[0]], [l["id"] for l in runs[1]])
 
     def test_a_client_that_leaves_cancels_its_generation(self):

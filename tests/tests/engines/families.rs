@@ -1,9 +1,10 @@
 //! Model families other than the test model, end to end on the real engines, one per cache kind
 //! and capture route beyond the test model's (the codec's own suite holds every family's
 //! reconstruction to the decoder's, tensor by tensor): sliding windows (Gemma 3, whose vLLM class
-//! gets its capture hooks from the plugin; the real 270M on the kv route), a latent cache (DeepSeek-V3 MLA, vLLM
-//! in bf16), recurrent states (Qwen3-Next's gated delta-net, vLLM in bf16; a follow-up turn
-//! restores a stored state), a window and pools (DeepSeek-V4.1, on the plugin's own vLLM class);
+//! gets its capture hooks from the plugin; the real 270M on the kv route), a latent cache
+//! (DeepSeek-V3 MLA, vLLM in bf16), recurrent states (Qwen3-Next's gated delta-net, vLLM in bf16;
+//! a follow-up turn restores a stored state), a window and pools (DeepSeek-V4.1, on the plugin's
+//! own vLLM class);
 //! and a cache class without a codec is refused at the handshake with its reason. A quantized KV
 //! cache (Llama 3.1, rope scaling) is bridged under tensor parallelism (`topology`).
 
@@ -74,6 +75,7 @@ async fn bridges_as_the_decoder_answers(case: Case, scratch: &Scratch, also: Opt
     prefilld
 }
 
+/// Stops `daemon` as a service manager would (SIGTERM) and waits for it to exit.
 async fn stop(mut daemon: Daemon) {
     daemon.terminate();
     daemon.wait(Duration::from_secs(120)).await;
