@@ -31,6 +31,7 @@ use tokio::{
 };
 use tokio_util::sync::CancellationToken;
 
+use crate::api::chat::{Message, Tool};
 use crate::config::EngineConfig;
 
 #[derive(Debug, thiserror::Error)]
@@ -64,10 +65,10 @@ pub enum EngineError {
 #[derive(Debug)]
 pub enum TokenizeInput<'a> {
     Chat {
-        messages: &'a serde_json::Value,
+        messages: &'a [Message],
         add_generation_prompt: bool,
         /// The request's tool definitions, rendered by the chat template.
-        tools: Option<&'a serde_json::Value>,
+        tools: Option<&'a [Tool]>,
         /// Special-token text in the messages and tools is those tokens, not text
         /// (`front.allow_special_tokens_in_content`).
         allow_special_tokens: bool,
@@ -89,11 +90,13 @@ pub struct GenerateRequest<'a> {
     /// Its `max_tokens` set: the front door has fit it to the context.
     pub sampling: Sampling,
     /// The request's tool definitions: the adapter parses tool calls out of the answer.
-    pub tools: Option<&'a serde_json::Value>,
+    pub tools: Option<&'a [Tool]>,
 }
 
 /// The last line of a generation: finish reason, usage, timings, held-back text.
 pub use pdbridge_common::proto::engine::GenerateSummary;
+/// A generated token's log probability and the most likely alternatives.
+pub use pdbridge_common::proto::engine::Logprob;
 /// How a generation chooses its tokens.
 pub use pdbridge_common::proto::engine::Sampling;
 /// A tool call the model made, parsed by mlx-lm's tool parser for the chat template.
@@ -105,9 +108,8 @@ pub enum GenerateEvent {
     Token {
         token: u32,
         text: String,
-        /// When asked for: OpenAI's entry for this token (`token`, `logprob`,
-        /// `bytes`, `top_logprobs`), as the adapter computed it.
-        logprob: Option<serde_json::Value>,
+        /// When asked for: the token's log probability, as the adapter computed it.
+        logprob: Option<Logprob>,
         /// Calls completed with this token (their text is not in `text`).
         tool_calls: Vec<ToolCall>,
     },
@@ -116,21 +118,8 @@ pub enum GenerateEvent {
 
 impl From<wire::Token> for GenerateEvent {
     fn from(t: wire::Token) -> GenerateEvent {
-        GenerateEvent::Token {
-            token: t.id,
-            text: t.text,
-            logprob: t.logprob.map(openai_logprob),
-            tool_calls: t.tool_calls,
-        }
+        GenerateEvent::Token { token: t.id, text: t.text, logprob: t.logprob, tool_calls: t.tool_calls }
     }
-}
-
-/// OpenAI's logprob entry: every key present, `top_logprobs` a list even when empty (proto3
-/// JSON leaves empty fields out).
-fn openai_logprob(l: wire::Logprob) -> serde_json::Value {
-    let alternative = |a: wire::Logprob| serde_json::json!({"token": a.token, "logprob": a.logprob, "bytes": a.bytes});
-    let top: Vec<_> = l.top_logprobs.into_iter().map(alternative).collect();
-    serde_json::json!({"token": l.token, "logprob": l.logprob, "bytes": l.bytes, "top_logprobs": top})
 }
 
 // ---------------------------------------------------------------------------
@@ -206,7 +195,7 @@ impl Engine {
             tail: req.tail.map(path_text).transpose()?,
             spec_fingerprint: req.spec_fingerprint.to_owned(),
             sampling: Some(req.sampling),
-            tools_json: req.tools.map(|t| t.to_string()).unwrap_or_default(),
+            tools_json: req.tools.map(json_text).unwrap_or_default(),
         };
         let sent_at = SystemTime::now();
         let lines = request(self.socket()?, Op::Generate(req)).await?;
@@ -306,12 +295,11 @@ async fn next_reply<T>(
 
 /// The adapter's error as decoded handles it: a block it names is the store's to quarantine.
 pub(crate) fn tokenize_request(input: TokenizeInput<'_>) -> wire::TokenizeRequest {
-    let json = |v: &serde_json::Value| v.to_string();
     match input {
         TokenizeInput::Chat { messages, add_generation_prompt, tools, allow_special_tokens } => wire::TokenizeRequest {
-            input: Some(wire::tokenize_request::Input::MessagesJson(json(messages))),
+            input: Some(wire::tokenize_request::Input::MessagesJson(json_text(messages))),
             add_generation_prompt: Some(add_generation_prompt),
-            tools_json: tools.map(json).unwrap_or_default(),
+            tools_json: tools.map(json_text).unwrap_or_default(),
             chat_template_kwargs_json: String::new(),
             allow_special_tokens_in_content: allow_special_tokens,
         },
@@ -320,6 +308,11 @@ pub(crate) fn tokenize_request(input: TokenizeInput<'_>) -> wire::TokenizeReques
             ..Default::default()
         },
     }
+}
+
+/// The chat template's input as JSON text (the adapter hands it to the tokenizer as it is).
+fn json_text(value: &(impl serde::Serialize + ?Sized)) -> String {
+    serde_json::to_string(value).expect("chat messages and tools serialize")
 }
 
 fn engine_error(err: wire::Error) -> EngineError {

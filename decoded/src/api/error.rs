@@ -12,7 +12,7 @@ use axum::{
 use pdbridge_common::reason::Reason;
 use serde_json::json;
 
-use super::openai;
+use super::{InvalidRequest, openai};
 use crate::engine::EngineError;
 use crate::front::verdict;
 
@@ -47,8 +47,8 @@ pub enum FrontError {
     BridgeRequired { reason: Reason, detail: String },
 }
 
-impl From<openai::InvalidRequest> for FrontError {
-    fn from(e: openai::InvalidRequest) -> Self {
+impl From<InvalidRequest> for FrontError {
+    fn from(e: InvalidRequest) -> Self {
         FrontError::BadRequest(e.0)
     }
 }
@@ -142,7 +142,7 @@ mod tests {
         let e: FrontError = openai::generation_budget(Some(10), 16, 8190, 8192).unwrap_err().into();
         assert_eq!(e.shape(), (StatusCode::BAD_REQUEST, "invalid_request_error", Some("context_length_exceeded")));
         assert!(e.to_string().contains("plus `max_tokens` (10)"), "{e}");
-        let other: FrontError = openai::InvalidRequest("`n` must be …".into()).into();
+        let other: FrontError = InvalidRequest("`n` must be …".into()).into();
         assert_eq!(other.shape(), (StatusCode::BAD_REQUEST, "invalid_request_error", None));
     }
 

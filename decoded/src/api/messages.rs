@@ -2,147 +2,242 @@
 //! results, `stop_sequences`, streamed as its events (`message_start`, content blocks and their
 //! deltas, `message_delta` with the stop reason and usage, `message_stop`).
 
+use serde::{Deserialize, de::IgnoredAny};
 use serde_json::{Value, json};
 
-use super::openai::InvalidRequest;
-use super::{Said, SseEvent, call_parts, chat_tools, chat_with, content_text, field, invalid, usage_parts};
+use super::answer::{Event, Finish, Names, Render, SseEvent, Usage, Whole};
+use super::chat::{self, Asked, Call, Content, FunctionSpec, Input, Message, Part, Request, Role, Tool, ToolChoice};
+use super::{InvalidRequest, parse as parse_json};
+use crate::engine::ToolCall;
 
-/// The chat request a Messages request asks for (checked further as any chat request is).
-pub fn chat_request(body: &Value) -> Result<Value, InvalidRequest> {
-    refuse_unimplemented(body)?;
-    let max_tokens = field(body, "max_tokens").ok_or_else(|| invalid("`max_tokens` is required"))?;
-    let mut messages = Vec::new();
-    if let Some(system) = field(body, "system") {
-        messages.push(json!({"role": "system", "content": content_text(system, "system", &["text"])?}));
-    }
-    let turns = body.get("messages").and_then(Value::as_array).ok_or_else(|| invalid("`messages` must be an array"))?;
-    for (i, turn) in turns.iter().enumerate() {
-        chat_turn(i, turn, &mut messages)?;
-    }
-    let mut chat = chat_with(body, messages, &["model", "temperature", "top_p", "stream"]);
-    chat["max_tokens"] = max_tokens.clone();
-    if let Some(stop) = field(body, "stop_sequences") {
-        chat["stop"] = stop.clone();
-    }
-    if let Some(tools) = field(body, "tools") {
-        // Anthropic's client tools have no type or "custom"; its server tools another.
-        let client_tool = |kind: Option<&str>| matches!(kind, None | Some("custom"));
-        chat["tools"] = chat_tools(tools, client_tool, "input_schema", "client tools")?;
-    }
-    if let Some(choice) = field(body, "tool_choice") {
-        chat["tool_choice"] = match choice.get("type").and_then(Value::as_str) {
-            Some("auto") => json!("auto"),
-            Some("none") => json!("none"),
-            // Forcing a call: refused by the chat checks, which say why.
-            _ => json!("required"),
-        };
-    }
-    Ok(chat)
+/// A Messages request as sent (unknown fields ignored).
+#[derive(Deserialize)]
+#[serde(expecting = "a request object")]
+struct Sent {
+    model: Option<String>,
+    #[serde(default, deserialize_with = "chat::positive_u32")]
+    max_tokens: Option<u32>,
+    system: Option<Content<Part>>,
+    messages: Option<Vec<Turn>>,
+    #[serde(default, deserialize_with = "chat::temperature")]
+    temperature: Option<f64>,
+    #[serde(default, deserialize_with = "chat::top_p")]
+    top_p: Option<f64>,
+    #[serde(default, deserialize_with = "chat::boolean")]
+    stream: Option<bool>,
+    #[serde(default, deserialize_with = "chat::stop")]
+    stop_sequences: Vec<String>,
+    tools: Option<Vec<SentTool>>,
+    tool_choice: Option<SentToolChoice>,
+    // Refused: what this server cannot do as asked.
+    top_k: Option<IgnoredAny>,
+    thinking: Option<Thinking>,
 }
 
-/// What the front door cannot do as asked is refused by name, never ignored.
-fn refuse_unimplemented(body: &Value) -> Result<(), InvalidRequest> {
-    if field(body, "top_k").is_some() {
-        return Err(invalid("`top_k` is not supported: sample with `temperature` and `top_p`"));
-    }
-    match body.pointer("/thinking/type").and_then(Value::as_str) {
-        None | Some("disabled") => Ok(()),
-        Some(_) => Err(invalid("`thinking` is not supported by this model")),
-    }
+/// Who speaks a turn; the system prompt is `system`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+enum Speaker {
+    User,
+    Assistant,
 }
 
-/// One turn appended to the chat's messages: a user turn's tool results become tool messages
-/// (before its text), an assistant turn's tool uses its tool calls.
-fn chat_turn(i: usize, turn: &Value, messages: &mut Vec<Value>) -> Result<(), InvalidRequest> {
-    let at = format!("messages[{i}]");
-    let role = turn.get("role").and_then(Value::as_str);
-    let role = role.filter(|r| ["user", "assistant"].contains(r)).ok_or_else(|| {
-        invalid(format!("`{at}.role` must be \"user\" or \"assistant\" (the system prompt is `system`)"))
-    })?;
-    let blocks = match turn.get("content") {
-        Some(Value::String(text)) => {
-            messages.push(json!({"role": role, "content": text}));
-            return Ok(());
+#[derive(Deserialize)]
+#[serde(expecting = "a message object")]
+struct Turn {
+    role: Speaker,
+    content: Content<Block>,
+}
+
+/// A content block: text, a tool use (assistant turns), a tool result (user turns), or another
+/// kind this server refuses by name.
+#[derive(Deserialize)]
+#[serde(expecting = "a content block")]
+struct Block {
+    #[serde(rename = "type")]
+    kind: String,
+    text: Option<String>,
+    id: Option<String>,
+    name: Option<String>,
+    /// A tool use's arguments, an object of the tool's own schema.
+    input: Option<Value>,
+    tool_use_id: Option<String>,
+    content: Option<Content<Part>>,
+}
+
+#[derive(Deserialize)]
+struct SentTool {
+    #[serde(rename = "type")]
+    kind: Option<String>,
+    name: Option<String>,
+    description: Option<String>,
+    input_schema: Option<Value>,
+}
+
+#[derive(Deserialize)]
+struct SentToolChoice {
+    #[serde(rename = "type")]
+    kind: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct Thinking {
+    #[serde(rename = "type")]
+    kind: Option<String>,
+}
+
+fn invalid(message: impl Into<String>) -> InvalidRequest {
+    InvalidRequest(message.into())
+}
+
+/// The request a Messages request asks for.
+pub fn parse(body: &[u8]) -> Result<Request, InvalidRequest> {
+    let sent: Sent = parse_json(body)?;
+    let max_tokens = sent.max_tokens.ok_or_else(|| invalid("`max_tokens` is required"))?;
+    let sampling = chat::sampling(sent.temperature, sent.top_p, Some(max_tokens), sent.stop_sequences.clone());
+    let asked = Asked::one(sampling, sent.stream);
+    Ok(Request { model: sent.model.clone(), input: sent.chat()?, asked })
+}
+
+/// What `/v1/messages/count_tokens` counts: the request's chat, which asks for no answer (so no
+/// `max_tokens`), and the model it names.
+pub fn parse_count(body: &[u8]) -> Result<(Option<String>, Input), InvalidRequest> {
+    let sent: Sent = parse_json(body)?;
+    Ok((sent.model.clone(), sent.chat()?))
+}
+
+impl Sent {
+    fn chat(self) -> Result<Input, InvalidRequest> {
+        if self.top_k.is_some() {
+            return Err(invalid("`top_k` is not supported: sample with `temperature` and `top_p`"));
         }
-        Some(Value::Array(blocks)) => blocks,
-        _ => return Err(invalid(format!("`{at}.content` must be a string or a list of content blocks"))),
+        if !matches!(self.thinking.and_then(|t| t.kind).as_deref(), None | Some("disabled")) {
+            return Err(invalid("`thinking` is not supported by this model"));
+        }
+        let mut messages = Vec::new();
+        if let Some(system) = self.system {
+            messages.push(Message::new(Role::System, system.text("system", &["text"])?));
+        }
+        let turns = self.messages.ok_or_else(|| invalid("`messages` must be an array"))?;
+        for (i, turn) in turns.into_iter().enumerate() {
+            turn.append_to(i, &mut messages)?;
+        }
+        let tools = self.tools.map(client_tools).transpose()?;
+        // Anthropic's `auto` and `none`; `any` and a named tool force a call.
+        let choice = self.tool_choice.map(|c| match c.kind.as_deref() {
+            Some("auto") => ToolChoice::Auto,
+            Some("none") => ToolChoice::None,
+            _ => ToolChoice::Forced,
+        });
+        Ok(Input::Chat { messages, tools: chat::offered(tools, choice)? })
+    }
+}
+
+/// Anthropic's client tools (no type, or "custom") as chat's function tools; its server tools
+/// (another type) are refused.
+fn client_tools(tools: Vec<SentTool>) -> Result<Vec<Tool>, InvalidRequest> {
+    let function = |(i, tool): (usize, SentTool)| {
+        if !matches!(tool.kind.as_deref(), None | Some("custom")) {
+            return Err(invalid(format!("`tools[{i}]` is a {:?} tool; only client tools are supported", tool.kind)));
+        }
+        let name = tool.name.filter(|n| !n.is_empty());
+        let name = name.ok_or_else(|| invalid(format!("`tools[{i}].name` must be a non-empty string")))?;
+        let function =
+            FunctionSpec { name, description: tool.description, parameters: tool.input_schema, strict: None };
+        Ok(Tool { kind: chat::Function::Function, function })
     };
-    let (mut text, mut calls) = (String::new(), Vec::new());
-    for (j, block) in blocks.iter().enumerate() {
-        let at = format!("{at}.content[{j}]");
-        let str_field = |key: &str| {
-            block.get(key).and_then(Value::as_str).ok_or_else(|| invalid(format!("`{at}.{key}` must be a string")))
+    tools.into_iter().enumerate().map(function).collect()
+}
+
+impl Turn {
+    /// Appended to the chat's messages: a user turn's tool results become tool messages (before
+    /// its text), an assistant turn's tool uses its tool calls.
+    fn append_to(self, i: usize, messages: &mut Vec<Message>) -> Result<(), InvalidRequest> {
+        let role = match self.role {
+            Speaker::User => Role::User,
+            Speaker::Assistant => Role::Assistant,
         };
-        match (role, block.get("type").and_then(Value::as_str)) {
-            (_, Some("text")) => text.push_str(str_field("text")?),
-            ("assistant", Some("tool_use")) => calls.push(json!({
-                "id": str_field("id")?, "type": "function",
-                "function": {"name": str_field("name")?, "arguments": block.get("input").unwrap_or(&json!({})).to_string()},
-            })),
-            ("user", Some("tool_result")) => {
-                let output = block.get("content").map_or(Ok(String::new()), |c| content_text(c, &at, &["text"]))?;
-                messages.push(json!({"role": "tool", "tool_call_id": str_field("tool_use_id")?, "content": output}));
+        let blocks = match self.content {
+            Content::Text(text) => {
+                messages.push(Message::new(role, text));
+                return Ok(());
             }
-            (_, other) => {
-                return Err(invalid(format!("`{at}` is a {other:?} block; {role} turns here take text{}", match role {
-                    "user" => " and tool_result blocks",
-                    _ => " and tool_use blocks",
-                })));
+            Content::Parts(blocks) => blocks,
+        };
+        let (mut text, mut calls) = (String::new(), Vec::new());
+        for (j, block) in blocks.into_iter().enumerate() {
+            let at = format!("messages[{i}].content[{j}]");
+            let required = |value: Option<String>, key: &str| {
+                value.ok_or_else(|| invalid(format!("`{at}.{key}` must be a string")))
+            };
+            match (self.role, block.kind.as_str()) {
+                (_, "text") => text.push_str(&required(block.text, "text")?),
+                (Speaker::Assistant, "tool_use") => {
+                    let arguments = block.input.unwrap_or_else(|| json!({})).to_string();
+                    calls.push(Call::new(required(block.id, "id")?, required(block.name, "name")?, arguments));
+                }
+                (Speaker::User, "tool_result") => {
+                    let output = block.content.map_or(Ok(String::new()), |c| c.text(&at, &["text"]))?;
+                    messages.push(Message::tool_output(required(block.tool_use_id, "tool_use_id")?, output));
+                }
+                (speaker, other) => {
+                    let takes = match speaker {
+                        Speaker::User => "user turns here take text and tool_result blocks",
+                        Speaker::Assistant => "assistant turns here take text and tool_use blocks",
+                    };
+                    return Err(invalid(format!("`{at}` is a {other:?} block; {takes}")));
+                }
             }
         }
+        if !calls.is_empty() {
+            messages.push(Message::calling(text, calls));
+        } else if !text.is_empty() || role == Role::Assistant {
+            messages.push(Message::new(role, text));
+        }
+        Ok(())
     }
-    if !calls.is_empty() {
-        messages.push(json!({"role": role, "content": text, "tool_calls": calls}));
-    } else if !text.is_empty() || role == "assistant" {
-        messages.push(json!({"role": role, "content": text}));
-    }
-    Ok(())
 }
+
+// ---------------------------------------------------------------------------
+// Answers.
+// ---------------------------------------------------------------------------
 
 /// Why the answer stopped, in Anthropic's words, and the stop sequence when one did.
-fn stop_reason<'a>(
-    finish_reason: Option<&str>,
-    stop_sequence: Option<&'a str>,
-) -> (Option<&'static str>, Option<&'a str>) {
-    let reason = finish_reason.map(|finish| match (finish, stop_sequence) {
+fn stop_reason(finish: Option<Finish<'_>>) -> (Option<&'static str>, Option<&str>) {
+    let Some(Finish { reason, stop_sequence }) = finish else { return (None, None) };
+    let reason = match (reason, stop_sequence) {
         ("length", _) => "max_tokens",
         ("tool_calls", _) => "tool_use",
-        (_, Some(_)) => "stop_sequence",
-        _ => "end_turn",
-    });
-    (reason, stop_sequence.filter(|_| reason == Some("stop_sequence")))
+        (_, "") => "end_turn",
+        _ => "stop_sequence",
+    };
+    (Some(reason), Some(stop_sequence).filter(|_| reason == "stop_sequence"))
 }
 
-/// A chat usage as Anthropic counts it: `input_tokens` are those computed, cached ones apart.
-fn usage(chat: &Value) -> Value {
-    let (prompt, completion, cached) = usage_parts(chat);
-    json!({"input_tokens": prompt - cached.min(prompt), "output_tokens": completion,
-           "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0})
+/// A usage as Anthropic counts it: `input_tokens` are those computed, cached ones apart.
+fn usage(usage: Usage) -> Value {
+    json!({"input_tokens": usage.prompt - usage.cached.min(usage.prompt), "output_tokens": usage.completion,
+           "cache_read_input_tokens": usage.cached, "cache_creation_input_tokens": 0})
 }
 
-fn tool_use(call: &Value) -> Value {
-    let (id, name, arguments) = call_parts(call);
-    let input: Value = serde_json::from_str(arguments).unwrap_or_else(|_| json!({}));
-    json!({"type": "tool_use", "id": id, "name": name, "input": input})
+fn tool_use(call: &ToolCall) -> Value {
+    let input: Value = serde_json::from_str(&call.arguments).unwrap_or_else(|_| json!({}));
+    json!({"type": "tool_use", "id": call.id, "name": call.name, "input": input})
 }
 
-fn message_id(chat: &Value) -> String {
-    chat["id"].as_str().unwrap_or_default().replacen("chatcmpl", "msg", 1)
-}
-
-/// A whole chat completion as a message.
-pub fn whole(completion: &Value) -> Value {
-    let said = Said::of(&completion["choices"][0]);
+/// The whole answer as a message.
+pub fn whole(whole: &Whole) -> Value {
+    let first = whole.first();
     let mut content = Vec::new();
-    if !said.text.is_empty() {
-        content.push(json!({"type": "text", "text": said.text}));
+    if let Some(text) = first.map(|c| c.text.as_str()).filter(|t| !t.is_empty()) {
+        content.push(json!({"type": "text", "text": text}));
     }
-    content.extend(said.tool_calls.iter().map(tool_use));
-    let (stop_reason, stop_sequence) = stop_reason(said.finish_reason, said.stop_sequence);
+    content.extend(first.into_iter().flat_map(|c| &c.tool_calls).map(tool_use));
+    let (stop_reason, stop_sequence) = stop_reason(first.map(|c| c.finish()));
     json!({
-        "id": message_id(completion), "type": "message", "role": "assistant", "model": completion["model"],
+        "id": whole.names.id_as("msg"), "type": "message", "role": "assistant", "model": whole.names.model,
         "content": content, "stop_reason": stop_reason, "stop_sequence": stop_sequence,
-        "usage": usage(&completion["usage"]),
+        "usage": usage(whole.usage),
     })
 }
 
@@ -152,23 +247,40 @@ struct OpenBlock {
     text: bool,
 }
 
-/// A chat stream as the Messages API's events.
-#[derive(Default)]
+/// A streamed answer as the Messages API's events.
 pub struct Events {
+    names: Names,
     started: bool,
     block: Option<OpenBlock>,
     blocks: usize,
-    finish_reason: Option<String>,
-    stop_sequence: Option<String>,
-    usage: Option<Value>,
+    finish_reason: String,
+    stop_sequence: String,
+    usage: Usage,
 }
 
 fn event(name: &'static str, mut data: Value) -> SseEvent {
     data["type"] = name.into();
-    SseEvent { name, data }
+    SseEvent { name: Some(name), data: data.to_string() }
 }
 
 impl Events {
+    pub fn new(names: Names) -> Events {
+        let (finish_reason, stop_sequence) = (String::new(), String::new());
+        Events { names, started: false, block: None, blocks: 0, finish_reason, stop_sequence, usage: Usage::default() }
+    }
+
+    fn start(&mut self, out: &mut Vec<SseEvent>) {
+        if std::mem::replace(&mut self.started, true) {
+            return;
+        }
+        let message = json!({
+            "id": self.names.id_as("msg"), "type": "message", "role": "assistant", "model": self.names.model,
+            "content": [], "stop_reason": null, "stop_sequence": null,
+            "usage": {"input_tokens": 0, "output_tokens": 0},
+        });
+        out.push(event("message_start", json!({"message": message})));
+    }
+
     fn open(&mut self, content_block: Value, out: &mut Vec<SseEvent>) -> usize {
         self.close(out);
         let index = self.blocks;
@@ -184,178 +296,63 @@ impl Events {
             out.push(event("content_block_stop", json!({"index": index})));
         }
     }
+
+    fn text(&mut self, text: &str, out: &mut Vec<SseEvent>) {
+        let index = match &self.block {
+            Some(OpenBlock { index, text: true }) => *index,
+            _ => self.open(json!({"type": "text", "text": ""}), out),
+        };
+        out.push(event("content_block_delta", json!({"index": index, "delta": {"type": "text_delta", "text": text}})));
+    }
+
+    fn tool_use(&mut self, call: &ToolCall, out: &mut Vec<SseEvent>) {
+        let mut block = tool_use(call);
+        block["input"] = json!({});
+        let index = self.open(block, out);
+        let delta = json!({"type": "input_json_delta", "partial_json": call.arguments});
+        out.push(event("content_block_delta", json!({"index": index, "delta": delta})));
+        self.close(out);
+    }
+
+    fn end(&mut self, out: &mut Vec<SseEvent>) {
+        self.close(out);
+        let finish = Finish { reason: &self.finish_reason, stop_sequence: &self.stop_sequence };
+        let (stop_reason, stop_sequence) = stop_reason(Some(finish).filter(|f| !f.reason.is_empty()));
+        let delta = json!({"stop_reason": stop_reason, "stop_sequence": stop_sequence});
+        out.push(event("message_delta", json!({"delta": delta, "usage": usage(self.usage)})));
+        out.push(event("message_stop", json!({})));
+    }
 }
 
-impl super::Stream for Events {
-    fn chunk(&mut self, chunk: &Value) -> Vec<SseEvent> {
+impl Render for Events {
+    fn render(&mut self, e: Event<'_>) -> Vec<SseEvent> {
         let mut out = Vec::new();
-        if !self.started {
-            self.started = true;
-            let message = json!({
-                "id": message_id(chunk), "type": "message", "role": "assistant", "model": chunk["model"],
-                "content": [], "stop_reason": null, "stop_sequence": null,
-                "usage": {"input_tokens": 0, "output_tokens": 0},
-            });
-            out.push(event("message_start", json!({"message": message})));
+        if let Event::Error(message) = e {
+            out.push(event("error", json!({"error": {"type": "api_error", "message": message}})));
+            return out;
         }
-        if chunk["usage"].is_object() {
-            self.usage = Some(chunk["usage"].clone());
-        }
-        let Some(choice) = chunk["choices"].get(0) else { return out };
-        let said = Said::of(choice);
-        if !said.text.is_empty() {
-            let index = match &self.block {
-                Some(OpenBlock { index, text: true }) => *index,
-                _ => self.open(json!({"type": "text", "text": ""}), &mut out),
-            };
-            out.push(event(
-                "content_block_delta",
-                json!({"index": index, "delta": {"type": "text_delta", "text": said.text}}),
-            ));
-        }
-        for call in said.tool_calls {
-            let mut block = tool_use(call);
-            let (_, _, arguments) = call_parts(call);
-            block["input"] = json!({});
-            let index = self.open(block, &mut out);
-            let delta = json!({"type": "input_json_delta", "partial_json": arguments});
-            out.push(event("content_block_delta", json!({"index": index, "delta": delta})));
-            self.close(&mut out);
-        }
-        if let Some(finish) = said.finish_reason {
-            self.close(&mut out);
-            self.finish_reason = Some(finish.to_owned());
-            self.stop_sequence = said.stop_sequence.map(str::to_owned);
+        self.start(&mut out);
+        match e {
+            Event::Usage(counted) => self.usage = counted,
+            Event::End => self.end(&mut out),
+            _ => {
+                let said = e.said().expect("a token or an answer's end");
+                if !said.text.is_empty() {
+                    self.text(said.text, &mut out);
+                }
+                for call in said.tool_calls {
+                    self.tool_use(call, &mut out);
+                }
+                if let Some(finish) = said.finish {
+                    self.close(&mut out);
+                    self.finish_reason = finish.reason.to_owned();
+                    self.stop_sequence = finish.stop_sequence.to_owned();
+                }
+            }
         }
         out
-    }
-
-    fn end(&mut self) -> Vec<SseEvent> {
-        let mut out = Vec::new();
-        self.close(&mut out);
-        let (stop_reason, stop_sequence) = stop_reason(self.finish_reason.as_deref(), self.stop_sequence.as_deref());
-        let delta = json!({"stop_reason": stop_reason, "stop_sequence": stop_sequence});
-        let usage = usage(self.usage.as_ref().unwrap_or(&Value::Null));
-        out.push(event("message_delta", json!({"delta": delta, "usage": usage})));
-        out.push(event("message_stop", json!({})));
-        out
-    }
-
-    fn error(&mut self, message: &str) -> Vec<SseEvent> {
-        vec![event("error", json!({"error": {"type": "api_error", "message": message}}))]
     }
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn turns_with_tool_use_and_results_become_the_chat_they_are() {
-        let body = json!({
-            "model": "m", "max_tokens": 64, "system": [{"type": "text", "text": "Be brief."}],
-            "stop_sequences": ["END"], "stream": true,
-            "messages": [
-                {"role": "user", "content": "Weather in Oslo?"},
-                {"role": "assistant", "content": [{"type": "text", "text": "Checking."},
-                    {"type": "tool_use", "id": "t1", "name": "get_weather", "input": {"city": "Oslo"}}]},
-                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "sunny"},
-                    {"type": "text", "text": "And tomorrow?"}]},
-            ],
-            "tools": [{"name": "get_weather", "description": "d", "input_schema": {"type": "object"}}],
-            "tool_choice": {"type": "auto"},
-        });
-        let chat = chat_request(&body).unwrap();
-        assert_eq!(
-            chat["messages"],
-            json!([
-                {"role": "system", "content": "Be brief."},
-                {"role": "user", "content": "Weather in Oslo?"},
-                {"role": "assistant", "content": "Checking.", "tool_calls": [
-                    {"id": "t1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\":\"Oslo\"}"}}]},
-                {"role": "tool", "tool_call_id": "t1", "content": "sunny"},
-                {"role": "user", "content": "And tomorrow?"},
-            ])
-        );
-        assert_eq!(
-            chat["tools"][0]["function"],
-            json!({"name": "get_weather", "description": "d", "parameters": {"type": "object"}})
-        );
-        assert_eq!(
-            (&chat["stop"], &chat["max_tokens"], &chat["tool_choice"]),
-            (&json!(["END"]), &json!(64), &json!("auto"))
-        );
-        assert_eq!(chat["stream_options"], json!({"include_usage": true}));
-    }
-
-    #[test]
-    fn what_this_server_cannot_do_is_refused_by_name() {
-        let turn = json!([{"role": "user", "content": "hi"}]);
-        for (body, needle) in [
-            (json!({"messages": turn}), "`max_tokens` is required"),
-            (json!({"max_tokens": 5, "messages": turn, "top_k": 5}), "top_k"),
-            (
-                json!({"max_tokens": 5, "messages": turn, "thinking": {"type": "enabled", "budget_tokens": 9}}),
-                "thinking",
-            ),
-            (json!({"max_tokens": 5, "messages": [{"role": "system", "content": "x"}]}), "messages[0].role"),
-            (
-                json!({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image"}]}]}),
-                "messages[0].content[0]",
-            ),
-            (
-                json!({"max_tokens": 5, "messages": turn, "tools": [{"type": "web_search_20250305", "name": "w"}]}),
-                "tools[0]",
-            ),
-        ] {
-            let refused = chat_request(&body).unwrap_err().0;
-            assert!(refused.contains(needle), "{refused:?} lacks {needle:?}");
-        }
-    }
-
-    #[test]
-    fn a_streamed_answer_is_told_in_content_blocks() {
-        let got = crate::api::told(&mut Events::default());
-        let names: Vec<&str> = got.iter().map(|e| e.name).collect();
-        assert_eq!(
-            names,
-            [
-                "message_start",
-                "content_block_start",
-                "content_block_delta",
-                "content_block_delta",
-                "content_block_stop",
-                "content_block_start",
-                "content_block_delta",
-                "content_block_stop",
-                "message_delta",
-                "message_stop",
-            ]
-        );
-        assert_eq!(got[5].data["content_block"], json!({"type": "tool_use", "id": "c1", "name": "f", "input": {}}));
-        assert_eq!(got[6].data["delta"], json!({"type": "input_json_delta", "partial_json": "{\"a\":1}"}));
-        assert_eq!(got[8].data["delta"]["stop_reason"], "tool_use");
-        assert_eq!(
-            got[8].data["usage"],
-            json!({"input_tokens": 2, "output_tokens": 4, "cache_read_input_tokens": 8, "cache_creation_input_tokens": 0})
-        );
-    }
-
-    #[test]
-    fn a_whole_answer_is_a_message_with_its_blocks() {
-        let mut completion = json!({
-            "id": "chatcmpl-3", "model": "m",
-            "choices": [{"index": 0, "finish_reason": "length", "message": {"role": "assistant", "content": "Hi"}}],
-            "usage": {"prompt_tokens": 3, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": 0}},
-        });
-        let message = whole(&completion);
-        assert_eq!(message["content"], json!([{"type": "text", "text": "Hi"}]));
-        assert_eq!((&message["stop_reason"], &message["id"]), (&json!("max_tokens"), &json!("msg-3")));
-        // A stop sequence is named (vLLM's `stop_reason` in the chat choice); the EOS is the turn's end.
-        completion["choices"][0]["finish_reason"] = "stop".into();
-        assert_eq!(whole(&completion)["stop_reason"], "end_turn");
-        completion["choices"][0]["stop_reason"] = "END".into();
-        let stopped = whole(&completion);
-        assert_eq!((&stopped["stop_reason"], &stopped["stop_sequence"]), (&json!("stop_sequence"), &json!("END")));
-    }
-}
+mod tests;

@@ -1,23 +1,29 @@
 //! The front door's APIs, each parsed and answered in its own wire format: OpenAI's chat and
 //! legacy completions ([`openai`]), OpenAI's Responses API ([`responses`]) and Anthropic's Messages
-//! API ([`messages`]), their errors ([`error`]) and API keys ([`auth`]). A Responses or Messages
-//! request becomes a chat request (checked by [`openai`] like any other), and the chat answer —
-//! whole, or its chunks as they stream — becomes the API's answer, so every API takes the same
-//! engine path, verdict header and admission (`crate::front`, which decides how to serve).
+//! API ([`messages`]), their errors ([`error`]) and API keys ([`auth`]).
+//!
+//! Parse once, then serve: each API's request is read into its own typed request and becomes the
+//! one typed [`chat::Request`]; the front door (`crate::front`, which decides how to serve) says
+//! what the engine generated as typed events ([`answer`]), and the API renders them. So every API
+//! takes the same engine path, verdict header and admission, and no API's JSON reaches the front
+//! door.
 
+pub mod answer;
 pub mod auth;
+pub mod chat;
 pub mod error;
 pub mod messages;
 pub mod openai;
 pub mod responses;
 
-use std::borrow::Cow;
+use axum::{
+    Json,
+    response::{IntoResponse, Response},
+};
+use serde::de::DeserializeOwned;
 
-use axum::response::{IntoResponse, Response};
-use serde_json::{Value, json};
-
+use answer::{Names, Render, Whole};
 use error::FrontError;
-use openai::InvalidRequest;
 
 /// The API a request came in on: its path, the shape of its answers and of its errors.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -26,9 +32,9 @@ pub enum Api {
     Chat,
     /// OpenAI's legacy `/v1/completions`: a prompt, answered as text choices.
     Completions,
-    /// OpenAI's `/v1/responses`, a translation of a chat.
+    /// OpenAI's `/v1/responses`.
     Responses,
-    /// Anthropic's `/v1/messages` (and its `count_tokens`), a translation of a chat.
+    /// Anthropic's `/v1/messages` (and its `count_tokens`).
     Messages,
 }
 
@@ -52,34 +58,32 @@ impl Api {
         }
     }
 
-    /// The chat completions request that `body`, a request of this API, asks for: chat's is the
-    /// body itself (as is the legacy API's, which is no chat and never asked).
-    pub fn chat_request(self, body: &Value) -> Result<Cow<'_, Value>, InvalidRequest> {
+    /// The request `body`, a request of this API, asks for: parsed once, every field checked.
+    pub fn parse(self, body: &[u8]) -> Result<chat::Request, InvalidRequest> {
         match self {
-            Api::Chat | Api::Completions => Ok(Cow::Borrowed(body)),
-            Api::Responses => responses::chat_request(body).map(Cow::Owned),
-            Api::Messages => messages::chat_request(body).map(Cow::Owned),
+            Api::Chat | Api::Completions => openai::parse(self, body),
+            Api::Responses => responses::parse(body),
+            Api::Messages => messages::parse(body),
         }
     }
 
-    /// A whole chat completion (`chat.completion` with its usage, or `text_completion` for the
-    /// legacy API) as this API answers it.
-    pub fn whole(self, completion: Value) -> Value {
+    /// The renderer of a streamed answer in this API.
+    pub fn renderer(self, names: Names, include_usage: bool) -> Box<dyn Render> {
         match self {
-            Api::Chat | Api::Completions => completion,
-            Api::Responses => responses::whole(&completion),
-            Api::Messages => messages::whole(&completion),
+            Api::Chat | Api::Completions => Box::new(openai::Chunks::new(self, names, include_usage)),
+            Api::Responses => Box::new(responses::Events::new(names)),
+            Api::Messages => Box::new(messages::Events::new(names)),
         }
     }
 
-    /// The translator of a streamed answer; none for OpenAI's chat and completions, whose chunks
-    /// go out as they are.
-    pub fn stream(self) -> Option<Box<dyn Stream>> {
-        match self {
-            Api::Chat | Api::Completions => None,
-            Api::Responses => Some(Box::new(responses::Events::default())),
-            Api::Messages => Some(Box::new(messages::Events::default())),
-        }
+    /// The whole answers as this API answers them.
+    pub fn whole(self, whole: &Whole) -> Response {
+        let body = match self {
+            Api::Chat | Api::Completions => openai::whole(self, whole),
+            Api::Responses => responses::whole(whole),
+            Api::Messages => messages::whole(whole),
+        };
+        Json(body).into_response()
     }
 
     /// A handler's answer, its error told in this API's shape and status.
@@ -91,156 +95,59 @@ impl Api {
     }
 }
 
-/// One server-sent event: its name (`event:`) and data.
-#[derive(Debug, PartialEq)]
-pub struct SseEvent {
-    pub name: &'static str,
-    pub data: Value,
-}
+/// A request the front door refuses; the message names the field.
+#[derive(Debug, thiserror::Error, PartialEq)]
+#[error("{0}")]
+pub struct InvalidRequest(pub String);
 
-/// A streamed chat answer told in another API: every `chat.completion.chunk` of one answer in
-/// turn, the usage chunk (`choices: []`) last, then the end or an error.
-pub trait Stream: Send + Sync {
-    /// The events one chat chunk makes.
-    fn chunk(&mut self, chunk: &Value) -> Vec<SseEvent>;
-    /// The events that end a stream whose answer is whole.
-    fn end(&mut self) -> Vec<SseEvent>;
-    /// The event that ends a stream cut by an error.
-    fn error(&mut self, message: &str) -> Vec<SseEvent>;
-}
-
-fn invalid(message: impl Into<String>) -> InvalidRequest {
-    InvalidRequest(message.into())
-}
-
-/// A request's field, `null` as absent.
-fn field<'a>(body: &'a Value, key: &str) -> Option<&'a Value> {
-    body.get(key).filter(|v| !v.is_null())
-}
-
-/// The chat request of `messages` with the fields `copied` from `body` as they are; a stream
-/// ends with the usage chunk, which the API's last event carries.
-fn chat_with(body: &Value, messages: Vec<Value>, copied: &[&str]) -> Value {
-    let mut chat = json!({"messages": messages});
-    for key in copied {
-        if let Some(value) = field(body, key) {
-            chat[*key] = value.clone();
+/// `body` as `T`; what does not parse is refused naming the field by its path (`messages[0].role`)
+/// and what it must be.
+pub fn parse<T: DeserializeOwned>(body: &[u8]) -> Result<T, InvalidRequest> {
+    let mut json = serde_json::Deserializer::from_slice(body);
+    let parsed = serde_path_to_error::deserialize(&mut json).map_err(|e| {
+        let (path, inner) = (e.path().to_string(), e.inner());
+        if !inner.is_data() || path == "." {
+            return InvalidRequest(format!("request body: {inner}"));
         }
-    }
-    if chat["stream"] == true {
-        chat["stream_options"] = json!({"include_usage": true});
-    }
-    chat
+        // serde_json says where in the text; the field's path says it better.
+        let inner = inner.to_string();
+        let message = inner.rsplit_once(" at line ").map_or(inner.as_str(), |(message, _)| message);
+        InvalidRequest(match message.starts_with("must ") {
+            true => format!("`{path}` {message}"),
+            false => format!("`{path}`: {message}"),
+        })
+    })?;
+    json.end().map_err(|e| InvalidRequest(format!("request body: {e}")))?;
+    Ok(parsed)
 }
 
-/// `tools` as chat's function tools: each tool whose `type` `is_function` says is a client
-/// function (its name, description and, under `schema`, its arguments' JSON schema); any other is
-/// refused, `offered` naming what is supported.
-fn chat_tools(
-    tools: &Value,
-    is_function: impl Fn(Option<&str>) -> bool,
-    schema: &str,
-    offered: &str,
-) -> Result<Value, InvalidRequest> {
-    let list = tools.as_array().ok_or_else(|| invalid("`tools` must be an array"))?;
-    let function = |(i, tool): (usize, &Value)| {
-        let kind = tool.get("type").and_then(Value::as_str);
-        if !is_function(kind) {
-            return Err(invalid(format!("`tools[{i}]` is a {kind:?} tool; only {offered} are supported")));
-        }
-        let mut function = json!({"name": tool.get("name").cloned().unwrap_or(Value::Null)});
-        for (from, to) in [("description", "description"), (schema, "parameters")] {
-            if let Some(value) = field(tool, from) {
-                function[to] = value.clone();
-            }
-        }
-        Ok(json!({"type": "function", "function": function}))
-    };
-    list.iter().enumerate().map(function).collect::<Result<Vec<_>, _>>().map(Value::Array)
-}
-
-/// One streamed chat answer, told by a dialect's translator: "Hel" and "lo", then a call of `f`
-/// with `{"a":1}` that ends it, then its usage (10 prompt tokens, 8 of them cached, 4 generated).
 #[cfg(test)]
-fn told(stream: &mut dyn Stream) -> Vec<SseEvent> {
-    let chunk = |delta: Value, finish: Option<&str>| {
-        json!({"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 7, "model": "m",
-               "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
-    };
-    let call = json!({"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{\"a\":1}"}, "index": 0});
-    let usage = json!({"prompt_tokens": 10, "completion_tokens": 4, "prompt_tokens_details": {"cached_tokens": 8}});
-    let mut events = Vec::new();
-    for c in [
-        chunk(json!({"content": "Hel"}), None),
-        chunk(json!({"content": "lo"}), None),
-        chunk(json!({"tool_calls": [call]}), None),
-        chunk(json!({}), Some("tool_calls")),
-        json!({"id": "chatcmpl-1", "created": 7, "model": "m", "choices": [], "usage": usage}),
-    ] {
-        events.extend(stream.chunk(&c));
+mod tests {
+    use serde::Deserialize;
+
+    use super::*;
+
+    #[derive(Debug, Deserialize)]
+    struct Sent {
+        #[allow(dead_code)]
+        messages: Vec<chat::Part>,
+        #[serde(default, deserialize_with = "chat::temperature")]
+        #[allow(dead_code)]
+        temperature: Option<f64>,
     }
-    events.extend(stream.end());
-    events
-}
 
-/// What a chat answer's chunk or message says, read once for every dialect.
-struct Said<'a> {
-    text: &'a str,
-    tool_calls: &'a [Value],
-    finish_reason: Option<&'a str>,
-    /// The stop sequence that ended the answer (vLLM's `stop_reason`).
-    stop_sequence: Option<&'a str>,
-}
-
-impl<'a> Said<'a> {
-    /// Choice 0 of a chunk (`delta`) or of a whole completion (`message`).
-    fn of(choice: &'a Value) -> Said<'a> {
-        let said = choice.get("delta").or_else(|| choice.get("message")).unwrap_or(&Value::Null);
-        Said {
-            text: said.get("content").and_then(Value::as_str).unwrap_or(""),
-            tool_calls: said.get("tool_calls").and_then(Value::as_array).map_or(&[], Vec::as_slice),
-            finish_reason: choice.get("finish_reason").and_then(Value::as_str),
-            stop_sequence: choice.get("stop_reason").and_then(Value::as_str),
+    #[test]
+    fn what_does_not_parse_is_named_by_its_path() {
+        for (body, want) in [
+            (r#"{"messages": [{"text": "hi"}]}"#, "`messages[0]`: missing field `type`"),
+            (r#"{"messages": [], "temperature": 3}"#, "`temperature` must be between 0 and 2"),
+            (r#"{"messages": [], "temperature": "hot"}"#, "`temperature` must be between 0 and 2"),
+            (r#"{"messages": "#, "request body: EOF while parsing a value at line 1 column 13"),
+            (r#"{"messages": []} {}"#, "request body: trailing characters at line 1 column 18"),
+            ("7", "request body: invalid type: integer `7`, expected struct Sent at line 1 column 1"),
+        ] {
+            assert_eq!(parse::<Sent>(body.as_bytes()).unwrap_err().0, want, "{body}");
         }
-    }
-}
-
-/// A tool call of a chat answer: its id, function name and arguments (JSON text).
-fn call_parts(call: &Value) -> (&str, &str, &str) {
-    let field = |pointer: &str| call.pointer(pointer).and_then(Value::as_str).unwrap_or("");
-    (field("/id"), field("/function/name"), field("/function/arguments"))
-}
-
-/// A chat answer's usage: prompt, completion and cached tokens.
-fn usage_parts(usage: &Value) -> (u64, u64, u64) {
-    let count = |pointer: &str| usage.pointer(pointer).and_then(Value::as_u64).unwrap_or(0);
-    (count("/prompt_tokens"), count("/completion_tokens"), count("/prompt_tokens_details/cached_tokens"))
-}
-
-/// The text of a message's content: a string, or the concatenated `text` of its parts of the
-/// given types (any other part is refused by name).
-fn content_text(content: &Value, at: &str, text_types: &[&str]) -> Result<String, InvalidRequest> {
-    let invalid = |part: String, what: &str| InvalidRequest(format!("`{at}{part}`{what}"));
-    match content {
-        Value::String(text) => Ok(text.clone()),
-        Value::Array(parts) => {
-            let mut text = String::new();
-            for (i, part) in parts.iter().enumerate() {
-                match part.get("type").and_then(Value::as_str) {
-                    Some(kind) if text_types.contains(&kind) => text.push_str(
-                        part.get("text")
-                            .and_then(Value::as_str)
-                            .ok_or_else(|| invalid(format!("[{i}].text"), " must be a string"))?,
-                    ),
-                    Some(other) => {
-                        let what = format!(" is a {other:?} part; only text parts are supported");
-                        return Err(invalid(format!("[{i}]"), &what));
-                    }
-                    None => return Err(invalid(format!("[{i}].type"), " must be a string")),
-                }
-            }
-            Ok(text)
-        }
-        _ => Err(invalid(String::new(), " must be a string or a list of text parts")),
+        assert!(parse::<Sent>(br#"{"messages": [], "temperature": null, "user": "u"}"#).is_ok());
     }
 }

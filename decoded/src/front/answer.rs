@@ -10,13 +10,9 @@ use std::{
     time::{Duration, SystemTime},
 };
 
-use axum::{
-    Json,
-    response::{IntoResponse, Response, Sse, sse::Event},
-};
+use axum::response::{IntoResponse, Response, Sse, sse::Event};
 use opentelemetry::KeyValue;
 use pdbridge_common::traces::PastSpan;
-use serde_json::{Value, json};
 use tokio::{sync::mpsc, time::Instant};
 use tracing::{Instrument, Span};
 
@@ -28,8 +24,13 @@ use super::{
     verdict::{self, Verdict, record_outcome, record_stages, record_ttft},
 };
 use crate::{
-    api::{self, Api, error::FrontError, openai},
-    engine::{Engine, EngineError, GenerateEvent, GenerateRequest, GenerateSummary, Generation, ToolCall},
+    api::{
+        Api,
+        answer::{Choice, Event as Told, Finish, Names, Render, SseEvent, Usage, Whole},
+        chat::{Asked, Tool},
+        error::FrontError,
+    },
+    engine::{Engine, EngineError, GenerateEvent, GenerateRequest, GenerateSummary, Generation, Logprob, ToolCall},
     store::{Lease, Tail},
 };
 
@@ -43,8 +44,8 @@ pub struct Choices {
     /// Held (its file kept) until the last answer has started.
     pub tail: Option<Tail>,
     /// Its sampling's `max_tokens` fit to the context.
-    pub asked: openai::Asked,
-    pub tools: Option<Value>,
+    pub asked: Asked,
+    pub tools: Option<Vec<Tool>>,
 }
 
 impl Choices {
@@ -58,7 +59,7 @@ impl Choices {
             tail: self.tail.as_ref().map(Tail::path),
             spec_fingerprint: &self.prompt.spec_fingerprint,
             sampling,
-            tools: self.tools.as_ref(),
+            tools: self.tools.as_deref(),
         }
     }
 
@@ -68,24 +69,6 @@ impl Choices {
         let mut generation = self.engine.generate(self.request(index)).await?;
         generation.started().await?;
         Ok(generation)
-    }
-}
-
-/// What names a completion.
-pub struct Names {
-    id: String,
-    created: u64,
-    model: String,
-}
-
-impl Names {
-    pub fn new(model: String) -> Names {
-        let created = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_secs();
-        Names { id: pdbridge_common::request_id::new("chatcmpl"), created, model }
-    }
-
-    fn ids(&self) -> (&str, u64, &str) {
-        (&self.id, self.created, &self.model)
     }
 }
 
@@ -130,7 +113,7 @@ impl From<Cut> for FrontError {
 /// probability when asked for, and the calls it completed.
 struct Piece {
     text: String,
-    logprob: Option<Value>,
+    logprob: Option<Logprob>,
     tool_calls: Vec<ToolCall>,
 }
 
@@ -143,8 +126,7 @@ trait Sink {
 }
 
 impl Answers {
-    /// Headers now, with the verdict as planned; the events (chat chunks, or told in the request's
-    /// API) follow from a task that holds the lease and the admission until the last one, within the
+    /// Headers now, with the verdict as planned; the events, told in the request's API, follow from a task that holds the lease and the admission until the last one, within the
     /// request's deadline.
     pub fn stream(mut self, names: Names, admitted: Admitted) -> Response {
         let (tx, rx) = mpsc::channel::<Event>(16);
@@ -154,17 +136,8 @@ impl Answers {
         tokio::spawn(
             async move {
                 let Admitted { permit: _permit, deadline } = admitted;
-                let include_usage = self.choices.asked.include_usage;
-                let mut sink = Streamed {
-                    tx,
-                    api: self.api,
-                    names,
-                    calls_sent: 0,
-                    completion_tokens: 0,
-                    usage: None,
-                    include_usage,
-                    told: self.api.stream(),
-                };
+                let render = self.api.renderer(names, self.choices.asked.include_usage);
+                let mut sink = Streamed { tx, render, completion_tokens: 0, usage: None };
                 let answered = tokio::time::timeout_at(deadline, self.run(&mut sink)).await.unwrap_or_else(|_| {
                     // Worded as the deadline's error event always was.
                     Err(EngineError::Internal("front.request_timeout passed".into()).into())
@@ -177,12 +150,12 @@ impl Answers {
     }
 
     /// One completion with every answer (in the request's API); the verdict, final, in its header.
-    pub async fn collect(mut self, names: &Names) -> Result<Response, FrontError> {
-        let mut sink = Collected::new(self.api, self.choices.asked.sampling.logprobs.is_some());
+    pub async fn collect(mut self, names: Names) -> Result<Response, FrontError> {
+        let mut sink = Collected { logprobs: self.choices.asked.sampling.logprobs.is_some(), ..Collected::default() };
         self.run(&mut sink).await?;
         drop(self.lease);
         self.verdict.timings_ms.insert("total".into(), ms(self.started));
-        sink.respond(names, self.verdict)
+        sink.respond(self.api, names, self.verdict)
     }
 
     /// The event loop: every answer in turn, each event into `sink`. What the engine restored is
@@ -272,145 +245,98 @@ fn check_restored(verdict: &Verdict, summary: &GenerateSummary) -> Result<(), Fr
     Ok(())
 }
 
-/// Server-sent events: a chunk per token as it comes (the headers left before the first).
+/// Server-sent events: each event of the answers as the request's API tells it, as it comes (the
+/// headers left before the first).
 struct Streamed {
     tx: mpsc::Sender<Event>,
-    api: Api,
-    names: Names,
-    /// The current answer's tool calls so far: a delta's calls are numbered within its choice.
-    calls_sent: usize,
-    /// Over every answer, for the usage chunk.
+    render: Box<dyn Render>,
+    /// Over every answer, for the usage.
     completion_tokens: u32,
-    /// `stream_options.include_usage`: the usage, once the last answer is whole, for the chunk
-    /// that ends the stream.
-    usage: Option<Value>,
-    include_usage: bool,
-    /// Another API's events for the chunks; none: the chunks as they are.
-    told: Option<Box<dyn api::Stream>>,
+    /// Once the last answer is whole: what the request counted, told before the stream ends.
+    usage: Option<Usage>,
 }
 
 impl Streamed {
-    /// A chat chunk, or the events it makes in the request's API.
-    async fn send(&mut self, chunk: &Value) -> Result<(), Cut> {
-        let events = match self.told.as_mut() {
-            Some(told) => told.chunk(chunk).into_iter().map(sse).collect(),
-            None => vec![Event::default().data(chunk.to_string())],
-        };
-        self.send_events(events).await
-    }
-
-    async fn send_events(&self, events: Vec<Event>) -> Result<(), Cut> {
-        for event in events {
-            self.tx.send(event).await.map_err(|_| Cut::Left)?;
+    async fn send(&mut self, event: Told<'_>) -> Result<(), Cut> {
+        for event in self.render.render(event) {
+            self.tx.send(sse(event)).await.map_err(|_| Cut::Left)?;
         }
         Ok(())
     }
 
-    /// The usage chunk (when asked for) and `[DONE]` after the last answer (or the API's
-    /// last events); after a failure its error, and no `[DONE]`.
+    /// The usage and the end after the last answer; after a failure its error.
     async fn end(mut self, answered: Result<(), Cut>) {
-        let last = match answered {
+        let _ = match answered {
             Ok(()) => {
-                if let Some(usage) = self.usage.clone().filter(|_| self.include_usage)
-                    && self.send(&openai::usage_chunk(self.api, self.names.ids(), usage)).await.is_err()
+                if let Some(usage) = self.usage.take()
+                    && self.send(Told::Usage(usage)).await.is_err()
                 {
                     return;
                 }
-                match self.told.as_mut() {
-                    Some(told) => told.end().into_iter().map(sse).collect(),
-                    None => vec![Event::default().data("[DONE]")],
-                }
+                self.send(Told::End).await
             }
             Err(Cut::Left) => return,
-            Err(e) => match self.told.as_mut() {
-                Some(told) => told.error(&e.to_string()).into_iter().map(sse).collect(),
-                None => vec![Event::default().data(stream_error(e).to_string())],
-            },
+            Err(e) => self.send(Told::Error(&e.to_string())).await,
         };
-        let _ = self.send_events(last).await;
     }
 }
 
 impl Sink for Streamed {
     async fn token(&mut self, index: u32, Piece { text, logprob, tool_calls }: Piece) -> Result<(), Cut> {
-        let text = Some(text.as_str()).filter(|t| !t.is_empty() || tool_calls.is_empty());
-        let mut chunk = openai::chunk(self.api, self.names.ids(), index, text, None);
-        if !tool_calls.is_empty() {
-            openai::add_tool_calls(&mut chunk, &tool_calls, self.calls_sent);
-            self.calls_sent += tool_calls.len();
-        }
-        if let Some(entry) = logprob {
-            chunk["choices"][0]["logprobs"] = openai::logprobs(self.api, &[entry]);
-        }
-        self.send(&chunk).await
+        self.send(Told::Token { index, text: &text, logprob: logprob.as_ref(), tool_calls: &tool_calls }).await
     }
 
     async fn done(&mut self, index: u32, summary: GenerateSummary, last: bool) -> Result<(), Cut> {
         self.completion_tokens += summary.completion_tokens;
-        // Text the adapter held back to the end (a partial character, a possible stop sequence
-        // that never completed) ends the answer.
-        let held = Some(summary.text.as_str()).filter(|t| !t.is_empty());
-        let mut chunk = openai::chunk(self.api, self.names.ids(), index, held, Some(&summary.finish_reason));
-        openai::add_stop_reason(&mut chunk["choices"][0], &summary.stop_sequence);
-        if !summary.tool_calls.is_empty() {
-            openai::add_tool_calls(&mut chunk, &summary.tool_calls, self.calls_sent);
-        }
-        self.calls_sent = 0;
         if last {
-            self.usage = Some(openai::usage(summary.prompt_tokens, self.completion_tokens, summary.cached_tokens));
-            // The header left before the engine ran: its stages ride here.
-            chunk["pd_bridge"] = json!({"engine_timings_ms": summary.timings_ms});
+            self.usage = Some(usage(&summary, self.completion_tokens));
         }
-        self.send(&chunk).await
+        self.send(Told::Done {
+            index,
+            text: &summary.text,
+            tool_calls: &summary.tool_calls,
+            finish: Finish { reason: &summary.finish_reason, stop_sequence: &summary.stop_sequence },
+            engine_timings_ms: last.then_some(&summary.timings_ms),
+        })
+        .await
     }
 }
 
-/// Another API's event as a server-sent event.
-fn sse(event: api::SseEvent) -> Event {
-    Event::default().event(event.name).data(event.data.to_string())
+/// What a request counted: the first answer's prompt, the tokens of all its answers.
+fn usage(first: &GenerateSummary, completion_tokens: u32) -> Usage {
+    Usage { prompt: first.prompt_tokens, cached: first.cached_tokens, completion: completion_tokens }
 }
 
-/// An error event ending a streamed answer (its headers have already left).
-fn stream_error(e: impl std::fmt::Display) -> Value {
-    json!({"error": {"message": e.to_string(), "type": "engine_error"}})
+fn sse(event: SseEvent) -> Event {
+    let sse = Event::default().data(event.data);
+    match event.name {
+        Some(name) => sse.event(name),
+        None => sse,
+    }
 }
 
-/// One JSON completion: the answers collected, then sent whole.
+/// One body with every answer: the answers collected, then sent whole.
+#[derive(Default)]
 struct Collected {
-    api: Api,
     logprobs: bool,
     /// The current answer so far.
     text: String,
-    entries: Vec<Value>,
+    entries: Vec<Logprob>,
     calls: Vec<ToolCall>,
-    choices: Vec<Value>,
+    choices: Vec<Choice>,
     /// The first answer's, for the usage and the engine's stages.
     first: Option<GenerateSummary>,
     completion_tokens: u32,
 }
 
 impl Collected {
-    fn new(api: Api, logprobs: bool) -> Collected {
-        Collected {
-            api,
-            logprobs,
-            text: String::new(),
-            entries: Vec::new(),
-            calls: Vec::new(),
-            choices: Vec::new(),
-            first: None,
-            completion_tokens: 0,
-        }
-    }
-
-    fn respond(self, names: &Names, mut verdict: Verdict) -> Result<Response, FrontError> {
+    fn respond(self, api: Api, names: Names, mut verdict: Verdict) -> Result<Response, FrontError> {
         let first = self.first.ok_or_else(|| FrontError::Engine("no answer was generated".into()))?;
         for (stage, value) in &first.timings_ms {
             verdict.timings_ms.insert(format!("engine_{stage}"), *value);
         }
-        let mut body = openai::completion(self.api, &names.id, names.created, &names.model, self.choices);
-        body["usage"] = openai::usage(first.prompt_tokens, self.completion_tokens, first.cached_tokens);
-        let mut response = Json(self.api.whole(body)).into_response();
+        let whole = Whole { names, choices: self.choices, usage: usage(&first, self.completion_tokens) };
+        let mut response = api.whole(&whole);
         verdict::set(&mut response, &verdict);
         Ok(response)
     }
@@ -427,13 +353,17 @@ impl Sink for Collected {
     async fn done(&mut self, index: u32, summary: GenerateSummary, _last: bool) -> Result<(), Cut> {
         let mut text = std::mem::take(&mut self.text);
         text.push_str(&summary.text);
-        let mut calls = std::mem::take(&mut self.calls);
-        calls.extend(summary.tool_calls.iter().cloned());
+        let mut tool_calls = std::mem::take(&mut self.calls);
+        tool_calls.extend(summary.tool_calls.iter().cloned());
         let entries = std::mem::take(&mut self.entries);
-        let logprobs = self.logprobs.then(|| openai::logprobs(self.api, &entries));
-        let mut choice = openai::choice(self.api, index, &text, &summary.finish_reason, logprobs, &calls);
-        openai::add_stop_reason(&mut choice, &summary.stop_sequence);
-        self.choices.push(choice);
+        self.choices.push(Choice {
+            index,
+            text,
+            tool_calls,
+            finish_reason: summary.finish_reason.clone(),
+            stop_sequence: summary.stop_sequence.clone(),
+            logprobs: self.logprobs.then_some(entries),
+        });
         self.completion_tokens += summary.completion_tokens;
         self.first.get_or_insert(summary);
         Ok(())

@@ -7,8 +7,8 @@
 use std::time::Duration;
 
 use axum::{
-    body::Body,
-    http::{HeaderMap, HeaderName, HeaderValue, StatusCode},
+    body::{Body, Bytes},
+    http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header::CONTENT_TYPE},
     response::Response,
 };
 use pdbridge_common::{
@@ -125,9 +125,10 @@ impl Peers {
         holder: &Holder<'_>,
         path: &str,
         headers: &HeaderMap,
-        body: &Value,
+        body: &Bytes,
     ) -> Result<Response, ForwardError> {
-        let mut request = self.http.post(format!("{}{path}", holder.peer.front)).json(body);
+        let request = self.http.post(format!("{}{path}", holder.peer.front)).body(body.clone());
+        let mut request = request.header(CONTENT_TYPE, "application/json");
         for name in PASSED_HEADERS {
             if let Some(value) = headers.get(name) {
                 request = request.header(name, value);
