@@ -154,6 +154,41 @@ pub struct FunctionSpec {
     pub strict: Option<bool>,
 }
 
+/// A tool as the Responses and Messages APIs send it: flat, its arguments' schema under
+/// `parameters` (Anthropic's `input_schema`).
+#[derive(Deserialize)]
+pub struct FlatTool {
+    #[serde(rename = "type")]
+    kind: Option<String>,
+    name: Option<String>,
+    description: Option<String>,
+    #[serde(alias = "input_schema")]
+    parameters: Option<serde_json::Value>,
+    strict: Option<bool>,
+}
+
+/// Flat tools as chat's function tools: each of a type `is_function` accepts; another is refused,
+/// `offered` naming the kind supported.
+pub fn function_tools(
+    tools: Vec<FlatTool>,
+    is_function: impl Fn(Option<&str>) -> bool,
+    offered: &str,
+) -> Result<Vec<Tool>, InvalidRequest> {
+    let function = |(i, tool): (usize, FlatTool)| {
+        if !is_function(tool.kind.as_deref()) {
+            return Err(InvalidRequest(format!(
+                "`tools[{i}]` is a {:?} tool; only {offered} are supported",
+                tool.kind
+            )));
+        }
+        let name = tool.name.filter(|n| !n.is_empty());
+        let name = name.ok_or_else(|| InvalidRequest(format!("`tools[{i}].name` must be a non-empty string")))?;
+        let FlatTool { description, parameters, strict, .. } = tool;
+        Ok(Tool { kind: Function::Function, function: FunctionSpec { name, description, parameters, strict } })
+    };
+    tools.into_iter().enumerate().map(function).collect()
+}
+
 /// Whether the model may call the tools offered.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ToolChoice {
@@ -299,6 +334,13 @@ pub fn stop<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<String>, D::Error> {
         Some(Stop::One(one)) => vec![one],
         Some(Stop::Many(many)) => many,
     })
+}
+
+/// A chat's messages and tools as the chat template gets them (JSON), for the APIs' tests.
+#[cfg(test)]
+pub fn as_template_sees(input: Input) -> (serde_json::Value, serde_json::Value) {
+    let Input::Chat { messages, tools } = input else { panic!("a chat, not {input:?}") };
+    (serde_json::to_value(messages).unwrap(), serde_json::to_value(tools).unwrap())
 }
 
 #[cfg(test)]

@@ -6,32 +6,33 @@ use serde::{Deserialize, de::IgnoredAny};
 use serde_json::{Value, json};
 
 use super::answer::{Event, Finish, Names, Render, SseEvent, Usage, Whole};
-use super::chat::{self, Asked, Call, Content, FunctionSpec, Input, Message, Part, Request, Role, Tool, ToolChoice};
+use super::chat::{self, Asked, Call, Content, FlatTool, Input, Message, Part, Request, Role, ToolChoice};
 use super::{InvalidRequest, parse as parse_json};
 use crate::engine::ToolCall;
 
-/// A Messages request as sent (unknown fields ignored).
+/// A Messages request as sent, its fields in the API reference's order (unknown ones ignored).
 #[derive(Deserialize)]
 #[serde(expecting = "a request object")]
 struct Sent {
-    model: Option<String>,
     #[serde(default, deserialize_with = "chat::positive_u32")]
     max_tokens: Option<u32>,
-    system: Option<Content<Part>>,
     messages: Option<Vec<Turn>>,
-    #[serde(default, deserialize_with = "chat::temperature")]
-    temperature: Option<f64>,
-    #[serde(default, deserialize_with = "chat::top_p")]
-    top_p: Option<f64>,
-    #[serde(default, deserialize_with = "chat::boolean")]
-    stream: Option<bool>,
+    model: Option<String>,
     #[serde(default, deserialize_with = "chat::stop")]
     stop_sequences: Vec<String>,
-    tools: Option<Vec<SentTool>>,
-    tool_choice: Option<SentToolChoice>,
-    // Refused: what this server cannot do as asked.
-    top_k: Option<IgnoredAny>,
+    #[serde(default, deserialize_with = "chat::boolean")]
+    stream: Option<bool>,
+    system: Option<Content<Part>>,
+    #[serde(default, deserialize_with = "chat::temperature")]
+    temperature: Option<f64>,
+    /// Refused unless disabled: the model has no reasoning mode.
     thinking: Option<Thinking>,
+    tool_choice: Option<SentToolChoice>,
+    tools: Option<Vec<FlatTool>>,
+    /// Refused: sampling here has no top-k.
+    top_k: Option<IgnoredAny>,
+    #[serde(default, deserialize_with = "chat::top_p")]
+    top_p: Option<f64>,
 }
 
 /// Who speaks a turn; the system prompt is `system`.
@@ -63,15 +64,6 @@ struct Block {
     input: Option<Value>,
     tool_use_id: Option<String>,
     content: Option<Content<Part>>,
-}
-
-#[derive(Deserialize)]
-struct SentTool {
-    #[serde(rename = "type")]
-    kind: Option<String>,
-    name: Option<String>,
-    description: Option<String>,
-    input_schema: Option<Value>,
 }
 
 #[derive(Deserialize)]
@@ -122,7 +114,9 @@ impl Sent {
         for (i, turn) in turns.into_iter().enumerate() {
             turn.append_to(i, &mut messages)?;
         }
-        let tools = self.tools.map(client_tools).transpose()?;
+        // Anthropic's client tools have no type or "custom"; its server tools another.
+        let client = |kind: Option<&str>| matches!(kind, None | Some("custom"));
+        let tools = self.tools.map(|tools| chat::function_tools(tools, client, "client tools")).transpose()?;
         // Anthropic's `auto` and `none`; `any` and a named tool force a call.
         let choice = self.tool_choice.map(|c| match c.kind.as_deref() {
             Some("auto") => ToolChoice::Auto,
@@ -131,22 +125,6 @@ impl Sent {
         });
         Ok(Input::Chat { messages, tools: chat::offered(tools, choice)? })
     }
-}
-
-/// Anthropic's client tools (no type, or "custom") as chat's function tools; its server tools
-/// (another type) are refused.
-fn client_tools(tools: Vec<SentTool>) -> Result<Vec<Tool>, InvalidRequest> {
-    let function = |(i, tool): (usize, SentTool)| {
-        if !matches!(tool.kind.as_deref(), None | Some("custom")) {
-            return Err(invalid(format!("`tools[{i}]` is a {:?} tool; only client tools are supported", tool.kind)));
-        }
-        let name = tool.name.filter(|n| !n.is_empty());
-        let name = name.ok_or_else(|| invalid(format!("`tools[{i}].name` must be a non-empty string")))?;
-        let function =
-            FunctionSpec { name, description: tool.description, parameters: tool.input_schema, strict: None };
-        Ok(Tool { kind: chat::Function::Function, function })
-    };
-    tools.into_iter().enumerate().map(function).collect()
 }
 
 impl Turn {

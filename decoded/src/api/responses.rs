@@ -6,32 +6,33 @@ use serde::{Deserialize, de::IgnoredAny};
 use serde_json::{Value, json};
 
 use super::answer::{Event, Names, Render, SseEvent, Usage, Whole};
-use super::chat::{self, Asked, Call, Content, FunctionSpec, Input, Message, Part, Request, Role, Tool};
+use super::chat::{self, Asked, Call, Content, FlatTool, Input, Message, Part, Request, Role};
 use super::{InvalidRequest, parse as parse_json};
 use crate::engine::ToolCall;
 
-/// A Responses request as sent (unknown fields ignored).
+/// A Responses request as sent, its fields in the API reference's order (unknown ones ignored).
+/// Refused: what a stateless text server cannot do (`background`, `previous_response_id`,
+/// `reasoning`, a `text.format` other than text).
 #[derive(Deserialize)]
 #[serde(expecting = "a request object")]
 struct Sent {
-    model: Option<String>,
-    instructions: Option<String>,
+    background: Option<bool>,
     input: Option<Content<Item>>,
+    instructions: Option<String>,
     #[serde(default, deserialize_with = "chat::positive_u32")]
     max_output_tokens: Option<u32>,
-    #[serde(default, deserialize_with = "chat::temperature")]
-    temperature: Option<f64>,
-    #[serde(default, deserialize_with = "chat::top_p")]
-    top_p: Option<f64>,
+    model: Option<String>,
+    previous_response_id: Option<IgnoredAny>,
+    reasoning: Option<IgnoredAny>,
     #[serde(default, deserialize_with = "chat::boolean")]
     stream: Option<bool>,
-    tools: Option<Vec<SentTool>>,
-    tool_choice: Option<super::openai::SentToolChoice>,
-    // Refused: what a stateless text server cannot do.
-    previous_response_id: Option<IgnoredAny>,
-    background: Option<bool>,
-    reasoning: Option<IgnoredAny>,
+    #[serde(default, deserialize_with = "chat::temperature")]
+    temperature: Option<f64>,
     text: Option<TextOptions>,
+    tool_choice: Option<super::openai::SentToolChoice>,
+    tools: Option<Vec<FlatTool>>,
+    #[serde(default, deserialize_with = "chat::top_p")]
+    top_p: Option<f64>,
 }
 
 /// An item of `input`: a message, a function call the model made, or a call's output.
@@ -46,16 +47,6 @@ struct Item {
     name: Option<String>,
     arguments: Option<String>,
     output: Option<String>,
-}
-
-#[derive(Deserialize)]
-struct SentTool {
-    #[serde(rename = "type")]
-    kind: Option<String>,
-    name: Option<String>,
-    description: Option<String>,
-    parameters: Option<Value>,
-    strict: Option<bool>,
 }
 
 #[derive(Deserialize)]
@@ -90,7 +81,8 @@ pub fn parse(body: &[u8]) -> Result<Request, InvalidRequest> {
         }
         None => return Err(invalid("`input` must be a string or a list of input items")),
     }
-    let tools = sent.tools.map(function_tools).transpose()?;
+    let function = |kind: Option<&str>| kind == Some("function");
+    let tools = sent.tools.map(|tools| chat::function_tools(tools, function, "function tools")).transpose()?;
     let tools = chat::offered(tools, sent.tool_choice.map(Into::into))?;
     let sampling = chat::sampling(sent.temperature, sent.top_p, sent.max_output_tokens, Vec::new());
     Ok(Request { model: sent.model, input: Input::Chat { messages, tools }, asked: Asked::one(sampling, sent.stream) })
@@ -113,21 +105,6 @@ fn refuse_unimplemented(sent: &Sent) -> Result<(), InvalidRequest> {
         None | Some("text") => Ok(()),
         Some(other) => Err(invalid(format!("`text.format` {other:?} is not supported: answers are plain text"))),
     }
-}
-
-/// The Responses API's function tools (flat: name, description, parameters) as chat's.
-fn function_tools(tools: Vec<SentTool>) -> Result<Vec<Tool>, InvalidRequest> {
-    let function = |(i, tool): (usize, SentTool)| {
-        if tool.kind.as_deref() != Some("function") {
-            return Err(invalid(format!("`tools[{i}]` is a {:?} tool; only function tools are supported", tool.kind)));
-        }
-        let name = tool.name.filter(|n| !n.is_empty());
-        let name = name.ok_or_else(|| invalid(format!("`tools[{i}].name` must be a non-empty string")))?;
-        let function =
-            FunctionSpec { name, description: tool.description, parameters: tool.parameters, strict: tool.strict };
-        Ok(Tool { kind: chat::Function::Function, function })
-    };
-    tools.into_iter().enumerate().map(function).collect()
 }
 
 impl Item {

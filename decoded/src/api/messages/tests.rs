@@ -23,9 +23,9 @@ fn turns_with_tool_use_and_results_become_the_chat_they_are() {
         "tool_choice": {"type": "auto"},
     });
     let request = parsed(body).unwrap();
-    let Input::Chat { messages, tools } = request.input else { panic!("a chat") };
+    let (messages, tools) = chat::as_template_sees(request.input);
     assert_eq!(
-        serde_json::to_value(&messages).unwrap(),
+        messages,
         json!([
             {"role": "system", "content": "Be brief."},
             {"role": "user", "content": "Weather in Oslo?"},
@@ -36,7 +36,7 @@ fn turns_with_tool_use_and_results_become_the_chat_they_are() {
         ])
     );
     assert_eq!(
-        serde_json::to_value(&tools.unwrap()[0].function).unwrap(),
+        tools[0]["function"],
         json!({"name": "get_weather", "description": "d", "parameters": {"type": "object"}})
     );
     let asked = request.asked;
