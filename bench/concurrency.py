@@ -47,8 +47,10 @@ import time
 from pathlib import Path
 
 # bench/'s own modules: Python puts a script's folder first on its path.
-from bridge import Client, EngineLog, Prompts, check, corpus, machine_info, timed
+from corpora import corpus
 from daemons import ROOT, Daemons
+from front_door import Client, EngineLog, Prompts, check, timed
+from runs import machine_info
 
 MODEL = "smollm2"
 MAX_LEN = 8192

@@ -37,9 +37,11 @@ import urllib.request
 from pathlib import Path
 
 # bench/'s own modules: Python puts a script's folder first on its path.
-from bridge import Client, EngineLog, Prompts, corpus, machine_info, timed
+from corpora import corpus
 from daemons import BLOCK_TOKENS, ROOT, Topology
-from models import ROWS, Row
+from front_door import Client, EngineLog, Prompts, timed
+from model_rows import ROWS, Row
+from runs import machine_info
 
 MAX_TOKENS = 32
 TEN_GBE_BYTES_PER_S = 10e9 / 8

@@ -26,8 +26,10 @@ import sys
 import time
 
 # bench/'s own modules: Python puts a script's folder first on its path.
-from bridge import Client, EngineLog, Prompts, corpus, machine_info, timed
+from corpora import corpus
 from daemons import BLOCK_TOKENS, ROOT, Daemons
+from front_door import Client, EngineLog, Prompts, timed
+from runs import machine_info
 
 MODEL = "tiny-llama-long"
 

@@ -25,8 +25,9 @@ import statistics
 import sys
 
 # bench/'s own modules: Python puts a script's folder first on its path.
-from bridge import Client, EngineLog, Prompts, log, run_rows, timed
 from daemons import ROOT, Topology
+from front_door import Client, EngineLog, Prompts, timed
+from runs import log, run_rows
 
 MODEL = "tiny-llama3"
 MAX_TOKENS = 16

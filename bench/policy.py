@@ -36,8 +36,9 @@ import threading
 import zlib
 
 # bench/'s own modules: Python puts a script's folder first on its path.
-from bridge import Client, EngineLog, Prompts, log, messages_for, run_rows, timed
 from daemons import ROOT, Topology
+from front_door import Client, EngineLog, Prompts, messages_for, timed
+from runs import log, run_rows
 
 MODEL = "tiny-llama3"
 MAX_TOKENS = 8

@@ -19,8 +19,10 @@ import threading
 import time
 
 # bench/'s own modules: Python puts a script's folder first on its path.
-from bridge import Client, EngineLog, Prompts, corpus, machine_info, timed
+from corpora import corpus
 from daemons import ROOT, Daemons, descendants, open_files
+from front_door import Client, EngineLog, Prompts, timed
+from runs import machine_info
 
 MODEL = "smollm2"
 MAX_LEN = 8192

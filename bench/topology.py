@@ -50,8 +50,9 @@ import time
 from pathlib import Path
 
 # bench/'s own modules: Python puts a script's folder first on its path.
-from bridge import Client, EngineLog, Prompts, check, log, run_rows, timed
 from daemons import ROOT, Topology
+from front_door import Client, EngineLog, Prompts, check, timed
+from runs import log, run_rows
 
 MAX_TOKENS = 32
 MAX_LEN = 8192

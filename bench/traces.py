@@ -32,8 +32,9 @@ import grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
 # bench/'s own modules: Python puts a script's folder first on its path.
-from bridge import Client, EngineLog, Prompts, log, run_rows, timed
 from daemons import ROOT, Topology, free_port
+from front_door import Client, EngineLog, Prompts, timed
+from runs import log, run_rows
 
 MODEL = "tiny-llama3"
 MAX_TOKENS = 8
