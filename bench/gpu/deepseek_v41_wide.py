@@ -13,6 +13,9 @@ compressors fp32). The values follow scripts/make-tiny-model.py's distributions 
 N(0, 1/fan_in), the head 4x that), from one seed; the tokenizer is the test model's (SmolLM2's
 49,152 ids). 30.6 GB, nearly all of it the fp4 experts.
 
+`specs()` runs the same code on torch's meta device: config.json and every tensor's name, shape and
+dtype without the bytes (bench/gpu/v41_dry_run.py, on a machine without a GPU).
+
 Usage: .venv/bin/python bench/gpu/deepseek_v41_wide.py [--out models] [--tokenizer models/smollm2-mlx]
 """
 
@@ -77,13 +80,17 @@ def config_for(tiny, tokenizer: Path) -> dict:
                      **generation}
 
 
-def draw(kind: str, shape: tuple[int, ...], gen: torch.Generator, lm_head_scale: float) -> torch.Tensor:
-    """make-tiny-model's `random_weights` distributions, on the GPU."""
-    z = torch.randn(shape, generator=gen, device=DEVICE)
+def draw(kind: str, shape: tuple[int, ...], gen: torch.Generator | None, lm_head_scale: float) -> torch.Tensor:
+    """make-tiny-model's `random_weights` distributions, on the GPU (on the meta device without `gen`)."""
+    z = torch.randn(shape, generator=gen, device=gen.device if gen is not None else "meta")
     if kind in ("linear", "router", "lm_head"):
         return z / shape[-1] ** 0.5 * (lm_head_scale if kind == "lm_head" else 1.0)
     offset, scale = {"embed": (0.0, 1.0), "norm": (1.0, 0.1), "bias": (0.0, 0.1), "sink": (0.0, 1.0)}[kind]
     return offset + scale * z
+
+
+def host(t: torch.Tensor) -> torch.Tensor:
+    return t if t.is_meta else t.cpu()
 
 
 def published(name: str, w: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -102,39 +109,57 @@ def layer_tensors(tiny, config: dict, spec: dict, i: int, gen: torch.Generator) 
             for e in range(shape[0]):
                 codes, scale = ckpt.encode_fp4(draw(kind, shape[1:], gen, 0))
                 base = f"layers.{i}.ffn.experts.{e}.{proj}"
-                out |= {f"{base}.weight": codes.cpu(), f"{base}.scale": scale.cpu()}
+                out |= {f"{base}.weight": host(codes), f"{base}.scale": host(scale)}
             continue
         w = draw(kind, shape, gen, 0)
         if name.endswith(".o_a_proj.weight"):
             w = w.reshape(-1, shape[-1])
-        out |= {k: v.cpu() for k, v in published(ckpt.deepseek_name(f"model.layers.{i}.{name}"), w).items()}
+        out |= {k: host(v) for k, v in published(ckpt.deepseek_name(f"model.layers.{i}.{name}"), w).items()}
     return out
+
+
+def shards(tiny, config: dict, gen: torch.Generator | None) -> list:
+    """The checkpoint's shards, each a function that draws its tensors (on the host, or meta ones)."""
+    spec = tiny.DEFAULT_WEIGHTS | {"bits": 0, "lm_head_scale": 4.0}
+    h, vocab = config["hidden_size"], config["vocab_size"]
+    out = [lambda: {"embed.weight": host(draw("embed", (vocab, h), gen, 0).to(torch.bfloat16))}]
+    out += [lambda i=i: layer_tensors(tiny, config, spec, i, gen) for i in range(config["num_hidden_layers"])]
+    out.append(lambda: {"norm.weight": host(draw("norm", (h,), gen, 0).to(torch.bfloat16)),
+                        "head.weight": host(draw("lm_head", (vocab, h), gen, 4.0).to(torch.bfloat16))})
+    return out
+
+
+def config_json(config: dict) -> dict:
+    keep = ("architectures", "model_type", "tie_word_embeddings", "bos_token_id", "eos_token_id")
+    text = {k: v for k, v in config.items() if k not in keep} | {"model_type": "deepseek_v41_text"}
+    top = {k: config[k] for k in keep if k in config} | {"torch_dtype": "bfloat16"}
+    return top | {"text_config": text, "quantization_config": ckpt.QUANTIZATION_CONFIG}
+
+
+def specs(tokenizer: Path) -> tuple[dict, dict[str, tuple[tuple[int, ...], torch.dtype]]]:
+    """config.json and each tensor's (shape, dtype), drawn as `write` draws them, on the meta device."""
+    tiny = tiny_generator()
+    config = config_for(tiny, tokenizer)
+    tensors = {}
+    for shard in shards(tiny, config, None):
+        tensors |= {name: (tuple(t.shape), t.dtype) for name, t in shard().items()}
+    return config_json(config), tensors
 
 
 def write(folder: Path, tokenizer: Path) -> None:
     tiny = tiny_generator()
     config = config_for(tiny, tokenizer)
-    spec = tiny.DEFAULT_WEIGHTS | {"bits": 0, "lm_head_scale": 4.0}
     for name in tiny.TOKENIZER_FILES:
         shutil.copy2(tokenizer / name, folder / name)
-    gen = torch.Generator(device=DEVICE).manual_seed(SEED)
-    h, vocab = config["hidden_size"], config["vocab_size"]
-    shards = [lambda: {"embed.weight": draw("embed", (vocab, h), gen, 0).to(torch.bfloat16).cpu()}]
-    shards += [lambda i=i: layer_tensors(tiny, config, spec, i, gen) for i in range(config["num_hidden_layers"])]
-    shards.append(lambda: {"norm.weight": draw("norm", (h,), gen, 0).to(torch.bfloat16).cpu(),
-                           "head.weight": draw("lm_head", (vocab, h), gen, 4.0).to(torch.bfloat16).cpu()})
+    todo = shards(tiny, config, torch.Generator(device=DEVICE).manual_seed(SEED))
     index = {}
-    for k, shard in enumerate(shards):  # one shard in host memory at a time
+    for k, shard in enumerate(todo):  # one shard in host memory at a time
         tensors = shard()
-        file = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+        file = f"model-{k + 1:05d}-of-{len(todo):05d}.safetensors"
         save_file(tensors, str(folder / file), metadata={"format": "pt"})
         index |= {name: file for name in tensors}
     (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}, indent=1))
-    keep = ("architectures", "model_type", "tie_word_embeddings", "bos_token_id", "eos_token_id")
-    text = {k: v for k, v in config.items() if k not in keep} | {"model_type": "deepseek_v41_text"}
-    top = {k: config[k] for k in keep if k in config} | {"torch_dtype": "bfloat16"}
-    (folder / "config.json").write_text(json.dumps(top | {"text_config": text,
-                                                          "quantization_config": ckpt.QUANTIZATION_CONFIG}, indent=1))
+    (folder / "config.json").write_text(json.dumps(config_json(config), indent=1))
 
 
 def main() -> None:

@@ -3,8 +3,10 @@
 # user starts them (certificates from `pdbridge certs`, mutual TLS, deploy/examples/ configs).
 #
 #   bench/gpu/kit.sh prepare          here (x86-64 Linux): .gpu-carry/ parts of <= 60 MB (git-ignored);
-#                                     V41=1 adds v41-* parts, DeepSeek-V4.1's kernels (bench/gpu/deepseek-v41-deps.txt),
-#                                     and v41t-* parts, the torch they need (bench/gpu/deepseek-v41-torch.txt)
+#                                     V41=1 DEEPGEMM_SRC=<DeepGEMM 2.6.1 source .tgz> adds 2 v41-* parts:
+#                                     DeepSeek-V4.1's sm90 needs over the image's torch 2.11 (8 parts in all)
+#   bench/gpu/kit.sh dry-run          here, after a V41=1 prepare: the V4.1 session rehearsed without a GPU
+#                                     (bench/gpu/v41_dry_run.py: imports, vLLM's config and weight loading)
 #   then on the GPU machine, one call per part, back to back (it stays warm ~30 s between calls),
 #   each carrying that one part:  bench/gpu/kit.sh remote stage
 #   and then, in later calls:     bench/gpu/kit.sh remote unpack     (once per machine)
@@ -18,7 +20,10 @@
 #                                   (bench/gpu/prefill_box.py on bench/gpu/llama8b.py's model; results
 #                                   kept in var/gpu-8b/results across calls, copied to $OUT)
 #                                 bench/gpu/kit.sh remote v41 native|start|bridged   (with the V4.1 parts: DeepSeek-V4.1
-#                                   at full width, 4 layers; results in var/gpu-v41/results, copied to $OUT)
+#                                   at full width, 4 layers; results in var/gpu-v41/results, copied to $OUT;
+#                                   vLLM with --moe-backend marlin --language-model-only --enforce-eager
+#                                   --kernel-config '{"enable_jit_warmup": false}', VLLM_USE_V2_MODEL_RUNNER=0,
+#                                   VLLM_USE_FLASHINFER_SAMPLER=0)
 # `start` passes PDB_* variables on to both daemons; DECODED_CONFIG and PREFILLD_CONFIG name other
 # configs, STORE_DIR another store (e.g. on /dev/shm); prefill-box's KV_BITS quantizes the
 # decoder's KV cache (engine.kv_bits: 8 or 4, the bytes a block carries halved or quartered); LINK_GBPS holds
@@ -36,6 +41,11 @@
 #          vllm-rs, DeepGEMM, the sm100 kernels) and the runtime dependencies the image lacks
 #          (bench/gpu/vllm-deps.txt); vLLM's native ops use only torch's stable C ABI, so it runs
 #          over the image's torch 2.11 with --no-deps.
+#   v41-*  (V41=1) TileLang 0.1.12 and what it imports that the image lacks (bench/gpu/deepseek-v41-deps.txt),
+#          DeepGEMM 2.6.1's source (DEEPGEMM_SRC) and the cute/cutlass headers of vLLM's wheel: `unpack`
+#          builds DeepGEMM there over the image's torch 2.11 (vLLM's vendored 2.8 links torch 2.13's C++
+#          ABI) into the site as `deep_gemm`, which vLLM imports before its own. FlashInfer, CuTe DSL,
+#          quack and cuda-python stay behind: vLLM gates each off sm90, with a fallback.
 #   pdb-*  mlx + mlx-lm, mlx-cuda-13's files (libmlx.so stripped), protobuf (the generated modules'
 #          runtime), this checkout's Python packages as wheels, the release binaries built here,
 #          and the test model's decoder folder (scales and biases fp16, as GGUF's Q4_1 holds them:
@@ -59,11 +69,22 @@ platforms() {
   for p in 17 18 24 27 28 31 34 35; do printf -- ' --platform manylinux_2_%s_x86_64' "$p"; done
 }
 
+# V41=1 needs DeepGEMM 2.6.1's source (upstream commit 54e2261, MIT; cutlass and cute left out: they
+# come from vLLM's wheel) as a .tgz whose top folder holds csrc/python_api.cpp and deep_gemm/.
+deepgemm_source_ok() {
+  [ -n "${DEEPGEMM_SRC:-}" ] || { echo "kit: V41=1 needs DEEPGEMM_SRC=<DeepGEMM 2.6.1 source .tgz>" >&2; exit 1; }
+  [ -f "$DEEPGEMM_SRC" ] || { echo "kit: DEEPGEMM_SRC=$DEEPGEMM_SRC: no such file" >&2; exit 1; }
+  # grep reads the whole listing (-q would end tar with SIGPIPE, a failure under pipefail).
+  tar tzf "$DEEPGEMM_SRC" 2>/dev/null | grep '^[^/]*/csrc/python_api\.cpp$' >/dev/null ||
+    { echo "kit: DEEPGEMM_SRC=$DEEPGEMM_SRC has no <top>/csrc/python_api.cpp: not DeepGEMM's source" >&2; exit 1; }
+}
+
 prepare() {
   local py=.venv/bin/python
   work=$(mktemp -d)
   trap 'rm -rf "$work"' EXIT
   [ -x "$py" ] || { echo "kit: run scripts/setup-engines.sh first" >&2; exit 1; }
+  [ -z "${V41:-}" ] || deepgemm_source_ok
   scripts/setup-engines.sh >/dev/null
   "$py" scripts/prepare-model.py >/dev/null
   cargo build --release --locked --bins
@@ -71,16 +92,18 @@ prepare() {
   # shellcheck disable=SC2046
   "$py" -m pip download -q --no-deps $(platforms) -d "$work/v/wheels" "vllm==$VLLM" -r bench/gpu/vllm-deps.txt
   if [ -n "${V41:-}" ]; then
-    # DeepSeek-V4.1's kernels: its packages and vLLM's DeepGEMM, which the v32 parts leave out.
-    mkdir -p "$work/d/wheels" "$work/d/site"
+    # DeepSeek-V4.1 on sm90 over the image's torch 2.11: TileLang and what it imports that the image
+    # lacks (bench/gpu/deepseek-v41-deps.txt), DeepGEMM's source (built on the machine by `unpack`)
+    # and the cute/cutlass headers its build and JIT include, taken from vLLM's wheel before the
+    # v32 parts drop its vendored DeepGEMM.
+    mkdir -p "$work/d/wheels" "$work/d/deepgemm"
     # shellcheck disable=SC2046
     "$py" -m pip download -q --no-deps $(platforms) -d "$work/d/wheels" -r bench/gpu/deepseek-v41-deps.txt
-    unzip -q "$work"/v/wheels/vllm-$VLLM-*.whl 'vllm/third_party/deep_gemm/*' -d "$work/d/site"
-    (cd "$work/d" && tar cf - wheels site) | split -b "$PART_BYTES" -d - .gpu-carry/v41-
-    mkdir -p "$work/t/wheels"
-    # shellcheck disable=SC2046
-    "$py" -m pip download -q --no-deps $(platforms) -d "$work/t/wheels" -r bench/gpu/deepseek-v41-torch.txt
-    (cd "$work/t" && tar cf - wheels) | split -b "$PART_BYTES" -d - .gpu-carry/v41t-
+    cp "$DEEPGEMM_SRC" "$work/d/deepgemm/src.tgz"
+    unzip -q "$work"/v/wheels/vllm-$VLLM-*.whl 'vllm/third_party/deep_gemm/include/cute/*' \
+      'vllm/third_party/deep_gemm/include/cutlass/*' -d "$work/d/headers"
+    mv "$work/d/headers/vllm/third_party/deep_gemm/include" "$work/d/deepgemm/include" && rm -r "$work/d/headers"
+    (cd "$work/d" && tar cf - wheels deepgemm) | split -b "$PART_BYTES" -d - .gpu-carry/v41-
   fi
   zip -q -d "$work"/v/wheels/vllm-$VLLM-*.whl 'vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so' 'vllm/vllm-rs' \
     'vllm/third_party/deep_gemm/*' 'vllm/third_party/fmha_sm100/*'
@@ -117,20 +140,18 @@ unpack() {
     if compgen -G "$kit/parts/v32-*" >/dev/null; then cat "$kit"/parts/v32-* | tar x -C "$kit/tree"; fi
     cat "$kit"/parts/pdb-* | xz -d | tar x -C "$kit/tree"
     if compgen -G "$kit/parts/v41-*" >/dev/null; then cat "$kit"/parts/v41-* | tar x -C "$kit/tree"; fi
-    if compgen -G "$kit/parts/v41t-*" >/dev/null; then cat "$kit"/parts/v41t-* | tar x -C "$kit/tree"; fi
     python3 -m pip install -q --no-index --no-deps --no-compile --target "$kit/site" "$kit"/tree/wheels/*.whl
     cp -r "$kit"/tree/cuda/. "$kit/site/"
-    [ ! -d "$kit/tree/site" ] || cp -r "$kit"/tree/site/. "$kit/site/"
   fi
+  [ ! -d "$kit/tree/deepgemm" ] || deepgemm
   mkdir -p target/release models .venv/bin .venv/lib/python3.12
   cp "$kit"/tree/bin/* target/release/
   py=$(command -v python3)
-  # The kit's NVIDIA libraries (V4.1's NCCL) ahead of the image's; CuTe DSL's package as its .pth
-  # would add it (--target installs run no .pth).
+  # The NVIDIA libraries of the wheels on the path ahead of the system's.
   libs=$(PYTHONPATH="$kit/site" "$py" -c 'import nvidia, os; print(":".join(os.path.join(p, d, "lib") for p in nvidia.__path__ for d in sorted(os.listdir(p)) if os.path.isdir(os.path.join(p, d, "lib"))))')
   cat >.venv/bin/python <<EOF
 #!/bin/sh
-export PYTHONPATH="$kit/site:$kit/site/nvidia_cutlass_dsl/dsl_packages\${PYTHONPATH:+:\$PYTHONPATH}" LD_LIBRARY_PATH="$libs\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}"
+export PYTHONPATH="$kit/site\${PYTHONPATH:+:\$PYTHONPATH}" LD_LIBRARY_PATH="$libs\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}"
 exec "$py" "\$@"
 EOF
   chmod +x .venv/bin/python
@@ -146,10 +167,41 @@ build_hf(Path(sys.argv[1]), Path(sys.argv[2]))' models/smollm2-hf models/smollm2
   [ ! -e "$kit/site/vllm" ] || .venv/bin/python -c 'import vllm, pdbridge_vllm; print("vllm", vllm.__version__)'
   # With the V4.1 parts: the modules its CUDA path loads, each named if it fails.
   [ ! -e "$kit/site/tilelang" ] || .venv/bin/python -c 'import importlib
-for m in ("tilelang", "cutlass", "quack", "flashinfer", "vllm.third_party.deep_gemm", "vllm._flashmla_C",
-          "vllm.models.deepseek_v41.nvidia.model", "pdbridge_vllm.deepseek_v41_cuda"):
+for m in ("tilelang", "deep_gemm", "vllm._flashmla_C", "vllm.models.deepseek_v41.nvidia.model",
+          "pdbridge_vllm.deepseek_v41_cuda"):
     try: importlib.import_module(m); print("v41 import ok:", m)
     except Exception as e: print("v41 import FAILED:", m, repr(e)[:300])'
+}
+
+# DeepGEMM 2.6.1 built on the machine over its torch (2.11) and CUDA (13.0): the two g++ lines that
+# built it there on 2026-12-06 (35 s), installed in the kit's site as `deep_gemm`, which vLLM
+# imports before its vendored copy (dropped from the v32 parts: it links torch 2.13's C++ ABI).
+# Its kernels JIT at first use with nvcc (CUDA_HOME) and include deep_gemm/include, where the
+# cute/cutlass headers of vLLM's wheel go. Once per machine: a built one is kept.
+deepgemm() {
+  local build=$kit/deepgemm src torch pyinc so cuda
+  so=$(python3 -c 'import sysconfig; print("_C" + sysconfig.get_config_var("EXT_SUFFIX"))')
+  if [ -e "$kit/site/deep_gemm/$so" ]; then echo "kit: deep_gemm built before" >&2; return 0; fi
+  cuda=${CUDA_HOME:-$(dirname "$(dirname "$(command -v nvcc)")")}
+  torch=$(python3 -c 'import os, torch; print(os.path.dirname(torch.__file__))')
+  pyinc=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["include"])')
+  rm -rf "$build" && mkdir -p "$build"
+  tar xzf "$kit/tree/deepgemm/src.tgz" -C "$build"
+  src=$(dirname "$(dirname "$(ls "$build"/*/csrc/python_api.cpp)")")
+  cp -r "$kit"/tree/deepgemm/include/. "$src/deep_gemm/include/"
+  local started=$SECONDS
+  if ! (cd "$src" &&
+    g++ -std=c++17 -O3 -fPIC -Wno-psabi -Wno-deprecated-declarations -D_GLIBCXX_USE_CXX11_ABI=1 \
+      -DTORCH_EXTENSION_NAME=_C -DTORCH_API_INCLUDE_EXTENSION_H -I"$cuda/include" -I"$cuda/include/cccl" \
+      -Ideep_gemm/include -Ithird-party/fmt/include -I"$torch/include" -I"$torch/include/torch/csrc/api/include" \
+      -I"$pyinc" -c csrc/python_api.cpp -o "$build/api.o" &&
+    g++ -shared "$build/api.o" -o "deep_gemm/$so" -L"$torch/lib" -lc10 -ltorch -ltorch_cpu -ltorch_python \
+      -lc10_cuda -ltorch_cuda -L"$cuda/lib64" -lcudart -lnvrtc -Wl,-rpath,"$cuda/lib64"); then
+    echo "kit: DeepGEMM's build FAILED (g++ over torch $torch, CUDA $cuda, Python.h in $pyinc): V4.1 cannot run" >&2
+    return 1
+  fi
+  rm -rf "$kit/site/deep_gemm" && cp -r "$src/deep_gemm" "$kit/site/deep_gemm"
+  echo "kit: deep_gemm built in $(( SECONDS - started )) s" >&2
 }
 
 run=var/gpu
@@ -272,12 +324,27 @@ prefill_box() {
 # the plugin's MLX reconstruction, decoded on MLX's CUDA backend) on prefill_box.py, then
 # bench/bridge.py's bridged vs native answers at ANSWER_LENGTHS (default 16K); `start` only starts
 # the bridged box's daemons (left running for a later `bridged` call: a call has 600 s).
+# vLLM's V4.1 class on sm90 (BENCHMARKS.md): Marlin's MXFP4 kernels for the fp4 experts, the text
+# model only (no vision tower), eager (the capture route's mode: prefilld passes it too), no
+# JIT warm-up at start; V1's runner (the plugin's hooks) and vLLM's own sampler (no FlashInfer).
+V41_KERNEL_CONFIG='{"enable_jit_warmup": false}'
+V41_ARGS=(--moe-backend marlin --language-model-only --enforce-eager --kernel-config "$V41_KERNEL_CONFIG")
+V41_ENGINE_ARGS='{"moe_backend": "marlin", "language_model_only": true, "kernel_config": {"enable_jit_warmup": false}}'
+# CUDA_HOME: where DeepGEMM's kernels JIT at first use (its nvcc).
+export_v41_env() {
+  export VLLM_USE_V2_MODEL_RUNNER=0 VLLM_USE_FLASHINFER_SAMPLER=0
+  CUDA_HOME=${CUDA_HOME:-$(dirname "$(dirname "$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)")")}
+  export CUDA_HOME
+}
+
 v41_start() {
-  local box=$1 model=$2
+  local box=$1 model=$2 arg args=""
   box_configs "$box" "$model" "$model" auto 0.5
   # The test model's tokenizer is SmolLM2's, not DeepSeek's: vLLM's V4.1 prompt encoder left out
-  # (prefilld sends token ids).
-  sed -i 's|^extra_args = \[|extra_args = ["--tokenizer-mode", "hf", |' "$box/prefilld.toml"
+  # (prefilld sends token ids). The arguments as TOML literal strings (the kernel config's quotes).
+  for arg in --tokenizer-mode hf "${V41_ARGS[@]}"; do args+="'$arg', "; done
+  sed -i "s|^extra_args = \[|extra_args = [$args|" "$box/prefilld.toml"
+  grep '^extra_args' "$box/prefilld.toml" >&2
   DECODED_CONFIG="$box/decoded.toml" PREFILLD_CONFIG="$box/prefilld.toml" start
 }
 
@@ -287,10 +354,12 @@ v41() {
   shift
   mkdir -p "$box/results"
   .venv/bin/python bench/gpu/deepseek_v41_wide.py
+  export_v41_env  # prefilld's CUDA example sets both for its engine too ([engine.env])
   set +e
   if [ "$phase" = native ]; then
     stop
-    vllm_alone "$limit" "$box/results" --model "$model" --lengths "$lengths" --eager --tokenizer-mode hf "$@"
+    vllm_alone "$limit" "$box/results" --model "$model" --lengths "$lengths" --eager --tokenizer-mode hf \
+      --engine-args "$V41_ENGINE_ARGS" "$@"
     status=$?
   elif [ "$phase" = start ]; then
     v41_start "$box" "$model"
@@ -315,8 +384,51 @@ v41() {
   return $status
 }
 
+# The V4.1 device session rehearsed on this machine, no GPU (bench/gpu/v41_dry_run.py says what it
+# proves): vLLM's CUDA wheel and the V4.1 parts' wheels from .gpu-carry/ installed as `unpack`
+# installs them, into DRY_KIT; the parts' wheels built for the device's Python 3.12 alone are
+# fetched again for this Python, with CCCL's headers for the build; DeepGEMM built by `unpack`'s own
+# function over this Python's torch, the CUDA wheels' headers as CUDA_HOME; then the script.
+# DRY_PYTHON: the Python whose torch it runs over (the engines' .venv; a torch 2.11 one is closer to
+# the device's), DRY_PATH: more of its path (its other packages).
+dry_run() {
+  local py=${DRY_PYTHON:-.venv/bin/python} w nv cu
+  kit=${DRY_KIT:-/tmp/pdb-v41-dry}
+  compgen -G ".gpu-carry/v41-*" >/dev/null || { echo "kit: dry-run reads the V4.1 parts: V41=1 ... prepare first" >&2; exit 1; }
+  if [ ! -e "$kit/site/vllm" ]; then
+    rm -rf "$kit" && mkdir -p "$kit/tree" "$kit/bin" "$kit/cuda/lib64" "$kit/stub"
+    cat .gpu-carry/v32-* | tar x -C "$kit/tree" && cat .gpu-carry/v41-* | tar x -C "$kit/tree"
+    # shellcheck disable=SC2046
+    "$py" -m pip download -q --no-deps --only-binary=:all: -d "$kit/here" "nvidia-cuda-cccl==13.0.85" \
+      "$(grep -h '^apache-tvm-ffi==' bench/gpu/vllm-deps.txt)" $(grep -h '^\(ml-dtypes\|torch-c-dlpack-ext\)==' bench/gpu/deepseek-v41-deps.txt)
+    for w in "$kit"/tree/wheels/vllm-*.whl "$kit"/tree/wheels/{tilelang,z3,cloudpickle,ml_dtypes,torch_c_dlpack,apache_tvm}*.whl \
+      "$kit"/here/*.whl; do
+      "$py" -m pip install -q --no-index --no-deps --no-compile --target "$kit/site" "$w" 2>/dev/null ||
+        echo "kit: dry-run: $(basename "$w") is not for this Python (its copy for this one is)" >&2
+    done
+    # No driver here: a libcuda.so.1 whose every entry point vLLM's native ops link answers
+    # CUDA_ERROR_NO_DEVICE (100), so they load and their torch symbols resolve.
+    nm -D --undefined-only "$kit"/site/vllm/*.so | awk '$2 ~ /^cu[A-Z]/ {print "int " $2 "(void) { return 100; }"}' |
+      sort -u >"$kit/stub/cuda.c"
+    gcc -shared -fPIC -Wl,-soname,libcuda.so.1 -o "$kit/stub/libcuda.so.1" "$kit/stub/cuda.c"
+  fi
+  printf '#!/bin/sh\nPYTHONPATH="%s" LD_LIBRARY_PATH="%s" exec "%s" "$@"\n' "$kit/site:prefilld/engine:common/engine${DRY_PATH:+:$DRY_PATH}" \
+    "$kit/stub" "$(cd "$(dirname "$py")" && pwd)/$(basename "$py")" >"$kit/bin/python3" && chmod +x "$kit/bin/python3"
+  # CUDA_HOME for DeepGEMM's build: the CUDA wheels' headers and libraries merged, and Triton's copy
+  # of the compiler's (crt/, which cuda_runtime.h includes); no nvcc runs here, nothing JITs.
+  mkdir -p "$kit/cuda/include"
+  for nv in $(PATH="$kit/bin:$PATH" python3 -c 'import nvidia, os, triton
+print(*(os.path.join(p, "cu13") for p in nvidia.__path__), os.path.join(os.path.dirname(triton.__file__), "backends/nvidia"))'); do
+    for w in "$nv"/include/*; do [ ! -e "$w" ] || [ -e "$kit/cuda/include/${w##*/}" ] || ln -s "$w" "$kit/cuda/include/"; done
+    for cu in cudart nvrtc; do [ ! -e "$nv/lib/lib$cu.so.13" ] || ln -sfn "$nv/lib/lib$cu.so.13" "$kit/cuda/lib64/lib$cu.so"; done
+  done
+  [ -d "$kit/tree/deepgemm" ] && PATH="$kit/bin:$PATH" CUDA_HOME="$kit/cuda" deepgemm
+  PATH="$kit/bin:$PATH" CUDA_HOME="$kit/cuda" PYTHONUNBUFFERED=1 python3 bench/gpu/v41_dry_run.py "$@"
+}
+
 case "${1:-}" in
   prepare) prepare ;;
+  dry-run) shift; dry_run "$@" ;;
   remote)
     shift
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -328,5 +440,5 @@ case "${1:-}" in
       v41) shift; v41 "$@" ;;
       *) echo "usage: bench/gpu/kit.sh remote stage|unpack|start|e2e|stop|mlx-cuda|prefill-box|v41" >&2; exit 2 ;;
     esac ;;
-  *) echo "usage: bench/gpu/kit.sh prepare | remote stage|unpack|start|e2e|stop|mlx-cuda" >&2; exit 2 ;;
+  *) echo "usage: bench/gpu/kit.sh prepare | dry-run | remote stage|unpack|start|e2e|stop|mlx-cuda|prefill-box|v41" >&2; exit 2 ;;
 esac

@@ -2,7 +2,7 @@
 """The prefill box at real shape: vLLM's own prefill vs the bridged prefill box on the same token ids.
 
     bridged  with both daemons running (bench/gpu/kit.sh remote start, on bench/gpu/llama8b.py's
-             model): per length --repeats cold prompts of real text (bench/bridge.py's corpus and sizing,
+             model): per length --repeats cold prompts of real text (bench/corpora.py's corpus, bench/front_door.py's sizing,
              through decoded's tokenizer), bridged with `pdbridge warm --json`: prefilld's Prefill
              RPC, i.e. vLLM's prefill with the capture, the reconstruction on MLX, framing and the
              Push into decoded's store on loopback, until the last block is committed. Writes
@@ -35,7 +35,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from bridge import Client, Prompts, corpus  # bench/bridge.py (PYTHONPATH=bench)
+from corpora import corpus  # bench/corpora.py (PYTHONPATH=bench)
+from front_door import Client, Prompts  # bench/front_door.py
 
 ROOT = Path(__file__).resolve().parents[2]
 WARM_UP_TOKENS = 2048
@@ -144,7 +145,7 @@ def native(args: argparse.Namespace) -> None:
         dict(enable_prefix_caching=False)
     llm = LLM(model=str(args.model), dtype="bfloat16", max_model_len=longest + 16,
               gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.eager,
-              tokenizer_mode=args.tokenizer_mode, **offload)
+              tokenizer_mode=args.tokenizer_mode, **offload | json.loads(args.engine_args))
     once = SamplingParams(max_tokens=1, temperature=0, detokenize=False)  # ids past the tokenizer's: no text
 
     def prefill(tokens: list[int]) -> float:
@@ -305,6 +306,7 @@ def main() -> None:
     n.add_argument("--offload-gib", type=float, default=None,
                    help="with vLLM's own OffloadingConnector storing every block to this much pinned host memory")
     n.add_argument("--tokenizer-mode", default="auto", help="hf: a model's own prompt encoder left out (ids only)")
+    n.add_argument("--engine-args", default="{}", help="more of vLLM's LLM() arguments as JSON (kit.sh's V4.1 flags)")
     for s in (b, n):
         s.add_argument("--out", type=Path, required=True)
         s.add_argument("--stream-tokens", type=int, default=262144,

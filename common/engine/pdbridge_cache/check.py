@@ -6,7 +6,7 @@ prefill plugin runs) then reconstructs every block — and the partial one after
 tail — from those same inputs, and each tensor is compared with the decoder's cache: rows with the
 native cache's rows, a recurrent layer's state (a pooled layer's window and groups) with the
 decoder's own after that block, from its block-by-block prefill (the same run the inputs come from).
-Used by the tests and by `bench/models.py`.
+Used by the tests and by `bench/models_decoder.py`.
 """
 
 from __future__ import annotations
