@@ -106,6 +106,8 @@ mod tests {
                 "BlockMetadata" => round_trip::<engine::BlockMetadata>(&text),
                 "BundleRequest" => round_trip::<engine::BundleRequest>(&text),
                 "BundleReply" => round_trip::<engine::BundleReply>(&text),
+                "PluginRing" => round_trip::<engine::PluginRing>(&text),
+                "PluginRelease" => round_trip::<engine::PluginRelease>(&text),
                 other => Err(format!("{other} is not a message of engine.proto")),
             };
             seen.insert(message.to_owned());
@@ -115,7 +117,7 @@ mod tests {
         }
         assert!(failures.is_empty(), "{}", failures.join("\n"));
         // One golden file at least per message.
-        assert_eq!(seen.len(), 26, "{seen:?}");
+        assert_eq!(seen.len(), 28, "{seen:?}");
     }
 
     /// A spec's proto3 JSON spells enums by name and takes the proto field names or lowerCamelCase.

@@ -17,6 +17,15 @@
 //! waiting request's decoder spec allows. Stages on other boxes send the same
 //! frames over mutual TLS (`stage_listener`), where a connection may instead
 //! ask for a reconstruction bundle ([`serve_bundle`]).
+//!
+//! On this box a block's payload may stay in the plugin's shared ring (the kv
+//! route's): the connection names the ring (a descriptor of the connected
+//! process, mapped read-only through /proc), a block says where its bytes are,
+//! and its payload is a view of the mapping ([`InRing`]), not a copy. Each
+//! block's bytes go back to the plugin (a `PluginRelease` on the connection)
+//! once nothing here holds them any more, pushed or dropped; the connection
+//! ends only after the last, so the plugin never reuses bytes that are still
+//! being read.
 
 use std::{
     collections::{BTreeMap, HashMap, HashSet},
@@ -27,7 +36,9 @@ use std::{
 use bytes::{Bytes, BytesMut};
 use pdbridge_common::proto::{
     Dtype,
-    engine::{BundleReply, PluginFailure, PluginFrame, PluginTensor, PluginTimings, plugin_frame::Frame},
+    engine::{
+        BundleReply, PluginFailure, PluginFrame, PluginRelease, PluginTensor, PluginTimings, plugin_frame::Frame,
+    },
 };
 use prost::Message;
 use tokio::{
@@ -85,6 +96,85 @@ enum Incoming {
     Event { request_id: String, event: PluginEvent },
     /// A stage on another box asks for the bundle of this SHA-256.
     Bundle { sha256: String },
+    /// The plugin on this box names its shared ring: its descriptor `fd`, of `size` bytes.
+    Ring { fd: u32, size: u64 },
+}
+
+/// How a connection's frames end: the stream's end, or a bundle request (its only frame).
+enum Ended {
+    Closed,
+    Bundle(String),
+}
+
+/// A connection from the plugin on this box: the process at its other end, whose ring it may
+/// name, and where its blocks' releases go.
+struct Local {
+    peer_pid: Option<i32>,
+    releases: mpsc::UnboundedSender<u64>,
+}
+
+impl Local {
+    /// Maps the ring the peer holds as descriptor `fd` (at least `size` bytes), read-only.
+    fn map(&self, fd: u32, size: u64) -> Result<Ring, CaptureError> {
+        let pid = self.peer_pid.ok_or_else(|| malformed_ring("the connected process is unknown"))?;
+        let path = format!("/proc/{pid}/fd/{fd}");
+        let file = std::fs::File::open(&path).map_err(|e| malformed_ring(&format!("{path}: {e}")))?;
+        let len = file.metadata().map_err(|e| malformed_ring(&format!("{path}: {e}")))?.len();
+        if len < size {
+            return Err(malformed_ring(&format!("{path} holds {len} bytes, not {size}")));
+        }
+        // SAFETY: the plugin writes a block's bytes before its frame and not again until its
+        // release, which is sent only once every view of them here is gone (`InRing`).
+        let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| malformed_ring(&format!("{path}: {e}")))?;
+        Ok(Ring { map: Arc::new(map), releases: self.releases.clone() })
+    }
+}
+
+fn malformed_ring(why: &str) -> CaptureError {
+    CaptureError::Malformed(format!("the plugin's ring cannot be mapped: {why}"))
+}
+
+/// The plugin's ring as one connection maps it.
+struct Ring {
+    map: Arc<memmap2::Mmap>,
+    releases: mpsc::UnboundedSender<u64>,
+}
+
+impl Ring {
+    /// The `bytes` at `offset`, a view that releases them to the plugin when its last clone drops.
+    fn payload(&self, offset: u64, bytes: u64) -> Result<Bytes, CaptureError> {
+        let end = offset.checked_add(bytes).filter(|end| *end <= self.map.len() as u64);
+        end.ok_or_else(|| {
+            CaptureError::Malformed(format!(
+                "a block of {bytes} bytes at {offset} outside the {}-byte ring",
+                self.map.len()
+            ))
+        })?;
+        let (start, len) = (offset as usize, bytes as usize);
+        Ok(Bytes::from_owner(InRing { map: self.map.clone(), start, len, releases: self.releases.clone() }))
+    }
+}
+
+/// A block's bytes in the plugin's ring; dropped, they are the plugin's again.
+struct InRing {
+    map: Arc<memmap2::Mmap>,
+    start: usize,
+    len: usize,
+    releases: mpsc::UnboundedSender<u64>,
+}
+
+impl AsRef<[u8]> for InRing {
+    fn as_ref(&self) -> &[u8] {
+        &self.map[self.start..self.start + self.len]
+    }
+}
+
+impl Drop for InRing {
+    fn drop(&mut self) {
+        // The connection's answering side is gone only once every InRing is (it holds the
+        // receiver until the last sender drops).
+        let _ = self.releases.send(self.start as u64);
+    }
 }
 
 /// What the plugin reports for one request.
@@ -198,8 +288,9 @@ impl Router {
                 }
             }
             let router = self.clone();
+            let peer_pid = stream.peer_cred().ok().and_then(|cred| cred.pid());
             tokio::spawn(async move {
-                if let Err(e) = router.relay(stream, None).await {
+                if let Err(e) = router.relay_local(stream, peer_pid).await {
                     tracing::warn!(error = %e, "plugin connection failed");
                 }
             });
@@ -208,25 +299,63 @@ impl Router {
         Ok(())
     }
 
-    /// Forwards one plugin connection's messages to their request. Requests
-    /// the connection was carrying when it ends (the engine died mid-request)
-    /// get an error event at once instead of waiting out their deadline.
-    /// `bundles`: where bundles are served from, on connections that may ask
-    /// for one (a stage on another box); its answer ends the connection.
+    /// Forwards the messages of one connection from the plugin on this box (`peer_pid`, the
+    /// process whose ring it may name), answering each of its ring's blocks once nothing here
+    /// holds it; the connection ends after the last answer.
+    pub(crate) async fn relay_local(
+        &self,
+        stream: impl AsyncRead + AsyncWrite + Unpin,
+        peer_pid: Option<i32>,
+    ) -> Result<(), CaptureError> {
+        let (mut frames, answers) = tokio::io::split(stream);
+        let (releases, released) = mpsc::unbounded_channel();
+        let forwarded = self.forward(&mut frames, Some(Local { peer_pid, releases }));
+        let (ended, ()) = tokio::join!(forwarded, answer_releases(answers, released));
+        match ended? {
+            Ended::Closed => Ok(()),
+            Ended::Bundle(_) => Err(CaptureError::Malformed("a bundle request on the plugin socket".into())),
+        }
+    }
+
+    /// Forwards the messages of a connection from a stage on another box; one that asks for a
+    /// bundle is answered with it from `bundles`, which ends it.
     pub(crate) async fn relay(
         &self,
         mut stream: impl AsyncRead + AsyncWrite + Unpin,
-        bundles: Option<&Path>,
+        bundles: &Path,
     ) -> Result<(), CaptureError> {
+        match self.forward(&mut stream, None).await? {
+            Ended::Closed => Ok(()),
+            Ended::Bundle(sha256) => serve_bundle(&mut stream, bundles, &sha256).await,
+        }
+    }
+
+    /// Forwards one connection's messages to their request, until it ends or asks for a bundle
+    /// (its first and only frame). Requests the connection was carrying when it ends (the engine
+    /// died mid-request) get an error event at once instead of waiting out their deadline.
+    async fn forward(
+        &self,
+        stream: &mut (impl AsyncRead + Unpin),
+        local: Option<Local>,
+    ) -> Result<Ended, CaptureError> {
         let mut unfinished = HashSet::new();
+        let mut ring = None;
         let ended = loop {
-            let (request_id, event) = match read_incoming(&mut stream, |id| self.max_payload(id)).await {
+            let (request_id, event) = match read_incoming(stream, |id| self.max_payload(id), ring.as_ref()).await {
                 Ok(Some(Incoming::Event { request_id, event })) => (request_id, event),
-                Ok(Some(Incoming::Bundle { sha256 })) => match bundles {
-                    Some(dir) if unfinished.is_empty() => break serve_bundle(&mut stream, dir, &sha256).await,
-                    _ => break Err(CaptureError::Malformed("a bundle request on a stream of blocks".into())),
+                Ok(Some(Incoming::Bundle { sha256 })) if unfinished.is_empty() => break Ok(Ended::Bundle(sha256)),
+                Ok(Some(Incoming::Bundle { .. })) => {
+                    break Err(CaptureError::Malformed("a bundle request on a stream of blocks".into()));
+                }
+                Ok(Some(Incoming::Ring { fd, size })) => match local.as_ref().map(|local| local.map(fd, size)) {
+                    Some(Ok(mapped)) => {
+                        ring = Some(mapped);
+                        continue;
+                    }
+                    Some(Err(e)) => break Err(e),
+                    None => break Err(CaptureError::Malformed("a ring named from another box".into())),
                 },
-                Ok(None) => break Ok(()),
+                Ok(None) => break Ok(Ended::Closed),
                 Err(e) => break Err(e),
             };
             if matches!(event, PluginEvent::Block { .. }) {
@@ -249,6 +378,22 @@ impl Router {
         }
         ended
     }
+}
+
+/// Tells the plugin each of its ring's blocks released (`PluginRelease`, framed as its frames
+/// are), until no block of the connection is held here any more. A plugin that stopped reading
+/// is still waited for: its ring's bytes must not be reused while they are read here.
+async fn answer_releases(mut answers: impl AsyncWrite + Unpin, mut released: mpsc::UnboundedReceiver<u64>) {
+    let mut writable = true;
+    while let Some(ring_offset) = released.recv().await {
+        if writable {
+            let message = PluginRelease { ring_offset }.encode_to_vec();
+            let mut frame = (message.len() as u32).to_le_bytes().to_vec();
+            frame.extend(message);
+            writable = answers.write_all(&frame).await.is_ok();
+        }
+    }
+    let _ = answers.shutdown().await;
 }
 
 /// The end of a request's prefill as one stage (or the whole engine) reports it.
@@ -413,6 +558,7 @@ async fn open_bundle(path: &Path) -> Result<(tokio::fs::File, u64), String> {
 async fn read_incoming(
     stream: &mut (impl AsyncRead + Unpin),
     max_payload: impl Fn(&str) -> Option<usize>,
+    ring: Option<&Ring>,
 ) -> Result<Option<Incoming>, CaptureError> {
     let mut len = [0u8; 4];
     match stream.read_exact(&mut len).await {
@@ -433,11 +579,27 @@ async fn read_incoming(
             let bytes = block.payload_bytes;
             let tensors: Vec<_> =
                 block.tensors.into_iter().map(|t| TensorSlice::of(t, bytes)).collect::<Result<_, _>>()?;
-            let part = match max_payload(&frame.request_id) {
-                Some(limit) => Part { tensors, payload: read_payload(stream, bytes, limit, &frame.request_id).await? },
+            let limit = max_payload(&frame.request_id);
+            let in_ring = match (block.ring_offset, ring) {
+                (Some(offset), Some(ring)) => Some(ring.payload(offset, bytes)?),
+                (Some(_), None) => return Err(CaptureError::Malformed("a block in a ring never named".into())),
+                (None, _) => None,
+            };
+            let part = match limit {
+                Some(limit) if bytes > limit as u64 => return Err(too_large(bytes, limit, &frame.request_id)),
+                Some(_) => {
+                    let payload = match in_ring {
+                        Some(payload) => payload,
+                        None => read_payload(stream, bytes).await?,
+                    };
+                    Part { tensors, payload }
+                }
                 None => {
-                    skip(stream, bytes).await?;
-                    Part { tensors: Vec::new(), payload: Bytes::new() } // the payload they pointed into is gone
+                    if in_ring.is_none() {
+                        skip(stream, bytes).await?;
+                    }
+                    // Nobody waits for it: the payload they pointed into is gone (a ring's released).
+                    Part { tensors: Vec::new(), payload: Bytes::new() }
                 }
             };
             PluginEvent::Block { index: block.index, part, stage }
@@ -451,23 +613,18 @@ async fn read_incoming(
         }
         Some(Frame::Error(error)) => PluginEvent::Error { failure: error.failure(), message: error.message },
         Some(Frame::Bundle(request)) => return Ok(Some(Incoming::Bundle { sha256: request.sha256 })),
+        Some(Frame::Ring(ring)) => return Ok(Some(Incoming::Ring { fd: ring.fd, size: ring.size })),
         None => return Err(CaptureError::Malformed("a frame that is no block, done or error".into())),
     };
     Ok(Some(Incoming::Event { request_id: frame.request_id, event }))
 }
 
-/// A block's payload of `bytes`, if its request accepts that much (`limit`).
-async fn read_payload(
-    stream: &mut (impl AsyncRead + Unpin),
-    bytes: u64,
-    limit: usize,
-    request_id: &str,
-) -> Result<Bytes, CaptureError> {
-    if bytes > limit as u64 {
-        return Err(CaptureError::Malformed(format!(
-            "block of {bytes} bytes for {request_id:?}, which accepts at most {limit}"
-        )));
-    }
+fn too_large(bytes: u64, limit: usize, request_id: &str) -> CaptureError {
+    CaptureError::Malformed(format!("block of {bytes} bytes for {request_id:?}, which accepts at most {limit}"))
+}
+
+/// A block's payload of `bytes` from the stream (its size checked against its request's limit).
+async fn read_payload(stream: &mut (impl AsyncRead + Unpin), bytes: u64) -> Result<Bytes, CaptureError> {
     // Read into spare capacity: zero-filling first would be one more pass over every byte of the
     // cache (17 GB at 128K tokens of an 8B model). `take` keeps the reads inside this payload.
     let mut payload = BytesMut::with_capacity(bytes as usize);

@@ -80,7 +80,7 @@ impl StageListener {
                         return;
                     }
                 };
-                if let Err(e) = router.relay(stream, Some(&this.bundle_dir)).await {
+                if let Err(e) = router.relay(stream, &this.bundle_dir).await {
                     tracing::warn!(%addr, error = %e, "stage connection failed");
                 }
             });

@@ -74,9 +74,8 @@ class Receiver:
             threading.Thread(target=self._read, args=(conn,), daemon=True).start()
 
     def _read(self, conn):
-        with conn, conn.makefile("rb") as f:
-            while (msg := protocol.read_frame(f)) is not None:
-                frame, payload = msg
+        with conn:
+            for frame, payload in protocol.read_frames(conn):
                 with self._cv:
                     self.messages.setdefault(frame.request_id, []).append(
                         (time.perf_counter(), frame, payload))

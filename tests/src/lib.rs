@@ -391,10 +391,19 @@ impl Drop for Frozen {
     }
 }
 
+/// How much of a daemon's log a failed test shows.
+const DYING_LOG_LINES: usize = 60;
+
 impl Drop for Daemon {
     /// A test that fails mid-way still stops its daemon gracefully, so the
-    /// daemon stops its engines too.
+    /// daemon stops its engines too, and shows the end of the daemon's log.
     fn drop(&mut self) {
+        if std::thread::panicking() {
+            let log = self.log.lock().unwrap();
+            let tail = log.iter().skip(log.len().saturating_sub(DYING_LOG_LINES));
+            eprintln!("--- the last {DYING_LOG_LINES} lines of its log, with gRPC on {} ---", self.grpc);
+            tail.for_each(|line| eprintln!("{line}"));
+        }
         let Ok(None) = self.child.try_wait() else { return };
         if let Some(pid) = self.child.id() {
             // SAFETY: kill(2) on our own child, not yet reaped.

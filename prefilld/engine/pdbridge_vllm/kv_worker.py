@@ -14,9 +14,10 @@ nothing is recomputed. Per step:
 3. ``wait_for_save`` (after the forward): the whole blocks the staging buffer completes are laid out
    as the decoder's blocks (quantized on the GPU as MLX quantizes, `kv_quant.py`, by one Triton
    kernel where it gives the same bytes, `kv_quant_fused.py`), copied with one
-   asynchronous copy into the pinned ring (`ring.py`, page-locked once at start), and queued with
-   the copy's event to the streamer, whose thread sends them when the copy is done; the rest stays
-   as the next step's carry. vLLM's stream waits only for the reads (vLLM may reuse a sliding
+   asynchronous copy into the ring (`ring.py`: memory shared with prefilld, page-locked once at
+   start), and queued with the copy's event to the streamer, whose thread sends their frames when
+   the copy is done (prefilld reads the bytes from the ring); the rest stays as the next step's
+   carry. vLLM's stream waits only for the reads (vLLM may reuse a sliding
    window's blocks): the rest of the route's GPU work overlaps vLLM's sampling and next steps.
 """
 
@@ -37,7 +38,7 @@ from .kv_quant_fused import Fused
 from .link import RemoteLink
 from .metadata import PdBridgeMetadata, StepProgress
 from .paged import LayoutError, PagedRows
-from .ring import PinnedRing
+from .ring import PinnedRing, Slot
 from .streamer import Streamer
 from .worker import BridgeWorker, WorkerState
 
@@ -228,8 +229,9 @@ class KvWorker(BridgeWorker):
         self._device = next(iter(kv_caches.values())).device
         if self._device.type == "cuda":
             self._side = torch.cuda.Stream(self._device)
-            self._ring = PinnedRing(int(self._streamer_args["max_queued_mb"] * 2**20))
-        self._streamer = Streamer([], link=RemoteLink.from_env(), **self._streamer_args)
+        # Page-locked for the copy engine on a GPU; on either device the memory prefilld reads.
+        self._ring = PinnedRing(int(self._streamer_args["max_queued_mb"] * 2**20), pin=self._side is not None)
+        self._streamer = Streamer([], link=RemoteLink.from_env(), ring=self._ring, **self._streamer_args)
         logger.info("pdbridge: the kv route reads %d layers' K/V (%s)", len(self._layers),
                     "side CUDA stream" if self._side else self._device.type)
 
@@ -385,25 +387,28 @@ class KvWorker(BridgeWorker):
               tail: bool = False) -> None:
         headers, block_bytes = layout.headers(rows.shape[3] // count)
         payload = layout.lay_out(rows, count, block_bytes)
-        event = release = None
-        if self._side is not None:  # one asynchronous copy of every block into pinned memory
-            host, release = self._pinned(st, payload.shape)
-            host.copy_(payload, non_blocking=True)
+        # Every block into the ring: on a GPU one asynchronous copy, whose event the streamer waits
+        # for; prefilld then reads them where they are.
+        host, slot = self._in_ring(st, payload.shape)
+        host.copy_(payload, non_blocking=self._side is not None)
+        event = None
+        if self._side is not None:
             event = torch.cuda.Event()
             event.record(self._side)
-            payload = host
-        self._streamer.submit_laid_out(st.stream, first, headers, payload, event, tail, release)
+        self._streamer.submit_laid_out(st.stream, first, headers, host, event, tail, slot)
 
-    def _pinned(self, st: WorkerState, shape: torch.Size) -> tuple[torch.Tensor, object]:
-        """Room for a payload in the pinned ring (waiting while it is full), and what frees it."""
+    def _in_ring(self, st: WorkerState, shape: torch.Size) -> tuple[torch.Tensor, Slot | None]:
+        """Room for a payload in the ring (waiting while it is full: backpressure, the request's
+        `ring_wait`), and its slot."""
         taken = self._ring.take(shape.numel())
         if taken is None:
-            logger.warning("pdbridge: a step's %d MB of blocks exceed the pinned ring (max_queued_mb %d): "
-                           "pinned on their own, which stalls the step", shape.numel() >> 20, self._ring.size >> 20)
-            return torch.empty(shape, dtype=torch.uint8, pin_memory=True), None
+            logger.warning("pdbridge: a step's %d MB of blocks exceed the ring (max_queued_mb %d): "
+                           "sent through the socket from memory of their own, which stalls the step",
+                           shape.numel() >> 20, self._ring.size >> 20)
+            return torch.empty(shape, dtype=torch.uint8, pin_memory=self._side is not None), None
         slot, flat, waited_s = taken
         st.stream.ms["ring_wait"] += waited_s * 1e3
-        return flat.view(shape), slot.release
+        return flat.view(shape), slot
 
     def _on_side(self):
         return torch.cuda.stream(self._side) if self._side is not None else contextlib.nullcontext()

@@ -32,6 +32,7 @@ from pdbridge_cache.proto import bridge_pb2, engine_pb2
 
 from . import protocol, spans
 from .link import LinkError, RemoteLink
+from .ring import Lent, PinnedRing, Slot
 
 logger = logging.getLogger("vllm.pdbridge_vllm")
 
@@ -118,6 +119,8 @@ class RequestStream:
     closed: bool = False
     # The request's connection (opened by the first message); False once it failed.
     sock: socket.socket | None | bool = field(default=None, repr=False)
+    # The ring's blocks the connection holds (`ring.Lent`), from its first block in the ring.
+    lent: Any = field(default=None, repr=False)
     # What the request's spans continue (`spans.parent`); None: not traced.
     trace: Any = field(default=None, repr=False)
 
@@ -162,10 +165,12 @@ class Streamer:
                  socket_timeout_s: float = 60.0, cpus: str | None = "all", mlx_streams: int = 2,
                  max_bundles: int = 2, dense_weights: bool = False,
                  stage: tuple[int, int] | None = None, handoff: str = "auto",
-                 max_sending_mb: float = 256, link: RemoteLink | None = None):
+                 max_sending_mb: float = 256, link: RemoteLink | None = None, ring: PinnedRing | None = None):
         self._capture_layer_ids = list(capture_layer_ids)
         # prefilld's stage listener when this stage runs on another box; None: the request's socket.
         self._link = link
+        # The kv route's ring, which prefilld maps when it runs on this box (no `link`).
+        self._ring = ring
         # (index, count) of this pipeline stage, which captures and sends only its own layers'
         # part of every block; prefilld assembles a block from every stage's part. None: all.
         self._stage = stage
@@ -203,12 +208,13 @@ class Streamer:
         self._put(("blocks", stream, (first_index, hidden, ready_event(hidden), tail)), nbytes)
 
     def submit_laid_out(self, stream: RequestStream, first_index: int, tensors: list, payload, event,
-                        tail: bool = False, release=None) -> None:
+                        tail: bool = False, slot: Slot | None = None) -> None:
         """Consecutive blocks already laid out as the decoder's (the kv route): `payload` a uint8
         torch tensor [blocks, bytes] on the host, which a GPU copy still fills until `event` (None:
-        ready); each block's frame names `tensors`; `release` (if any) is called once the payload's
-        bytes are no longer needed (sent, or dropped). Waits while the queue is over budget."""
-        self._put(("laid_out", stream, (first_index, tensors, payload, event, tail, release)), payload.numel())
+        ready); each block's frame names `tensors`. `slot`: the payload's place in the ring, released
+        once its bytes are no longer needed (sent, released by prefilld, or dropped). Waits while the
+        queue is over budget."""
+        self._put(("laid_out", stream, (first_index, tensors, payload, event, tail, slot)), payload.numel())
 
     def submit_done(self, stream: RequestStream, num_tokens: int) -> None:
         self._put(("done", stream, num_tokens))
@@ -250,7 +256,7 @@ class Streamer:
     def _handle(self, kind: str, stream: RequestStream, arg) -> None:
         if stream.closed:  # the request already failed; drop its remaining work
             if kind == "laid_out" and arg[-1] is not None:
-                arg[-1]()
+                arg[-1].release()
             return
         try:
             if kind == "start":
@@ -392,26 +398,34 @@ class Streamer:
         self._send_frame_block(stream, block_index, tensors, payload, tail)
 
     def _emit_laid_out(self, stream: RequestStream, first_index: int, tensors: list, payload, event,
-                       tail: bool, release) -> None:
+                       tail: bool, slot: Slot | None) -> None:
         try:
             if event is not None:
                 with _clock(stream, "to_host", block=first_index):
                     event.synchronize()
-            for k in range(payload.shape[0]):
-                view = memoryview(payload[k].numpy()).cast("B")
-                last = k == payload.shape[0] - 1  # the sender sends in order: the last frame frees all
-                self._send_frame_block(stream, first_index + k, tensors, [view], tail,
-                                       on_sent=release if last else None)
-            release = None
+            blocks, size = payload.shape
+            if slot is not None and self._link is None:  # prefilld maps the ring: only frames leave
+                slot.split(blocks)
+                for k in range(blocks):
+                    self._send_frame_block(stream, first_index + k, tensors, [], tail, lent=(slot.start + k * size, slot))
+            else:
+                for k in range(blocks):
+                    view = memoryview(payload[k].numpy()).cast("B")
+                    last = k == blocks - 1  # the sender sends in order: the last frame frees all
+                    self._send_frame_block(stream, first_index + k, tensors, [view], tail,
+                                           on_sent=slot.release if last and slot is not None else None)
+            slot = None
         finally:
-            if release is not None:  # not handed to the sender
-                release()
+            if slot is not None:  # not handed to the sender
+                slot.release()
 
     def _send_frame_block(self, stream: RequestStream, block_index: int, tensors: list, payload: list,
-                          tail: bool, on_sent=None) -> None:
+                          tail: bool, on_sent=None, lent: tuple[int, Slot] | None = None) -> None:
+        """One block's frame and its payload, or (`lent`) its offset in the ring and the slot prefilld
+        releases it from."""
         block = engine_pb2.PluginBlock(index=block_index, payload_bytes=sum(t.nbytes for t in tensors),
-                                       tensors=tensors)
-        self._send(stream, self._frame(stream, block=block), payload, on_sent)
+                                       tensors=tensors, ring_offset=lent[0] if lent else None)
+        self._send(stream, self._frame(stream, block=block), payload, on_sent, lent)
         stream.blocks_emitted += not tail  # the tail is not one of the request's blocks
 
     def _emit_done(self, stream: RequestStream, num_tokens: int) -> None:
@@ -434,13 +448,15 @@ class Streamer:
         stage, stages = self._stage or (0, 0)
         return engine_pb2.PluginFrame(request_id=stream.params.request_id, stage=stage, stages=stages, **frame)
 
-    def _send(self, stream: RequestStream, frame: engine_pb2.PluginFrame | None, payload=(), on_sent=None) -> None:
+    def _send(self, stream: RequestStream, frame: engine_pb2.PluginFrame | None, payload=(), on_sent=None,
+              lent: tuple[int, Slot] | None = None) -> None:
         """Queues a frame (None: close the stream) for the sender thread; the closing one marks
         the stream closed at once, so no later work for it is queued. `on_sent` is called once the
-        sender is done with the frame (sent or dropped)."""
+        sender is done with the frame (sent or dropped); a `lent` block's slot is prefilld's once
+        its frame is sent, released here if it is dropped."""
         if frame is None:
             stream.closed = True
-        self._outbox.put((stream, frame, payload, on_sent), sum(len(p) for p in payload))
+        self._outbox.put((stream, frame, payload, on_sent, lent), sum(len(p) for p in payload))
 
     def _bundle_file(self, p: BridgeParams) -> str:
         """Where the request's bundle is on this box: prefilld's path on its own box; on another,
@@ -459,24 +475,35 @@ class Streamer:
             try:
                 if item is None:
                     return
-                stream, frame, payload, _ = item
+                stream, frame, payload, _, lent = item
                 if frame is None:
                     self._close(stream)
                 elif stream.sock is not False:  # False: its connection failed; drop the rest
                     if frame.HasField("done"):
                         frame.done.timings.CopyFrom(engine_pb2.PluginTimings(
                             **{f"{stage}_ms": round(ms, 3) for stage, ms in stream.ms.items()}))
-                    self._write(stream, frame, payload)
+                    self._write(stream, frame, payload, lent)
+                    lent = None
+                if lent is not None:  # dropped: prefilld never had it
+                    lent[1].release()
             finally:
                 if item is not None and item[3] is not None:  # the frame's bytes are free
                     item[3]()
                 self._outbox.release(nbytes)
 
-    def _write(self, stream: RequestStream, frame: engine_pb2.PluginFrame, payload) -> None:
+    def _write(self, stream: RequestStream, frame: engine_pb2.PluginFrame, payload,
+               lent: tuple[int, Slot] | None = None) -> None:
+        """Sends a frame; a `lent` block's slot is handed to the connection's `Lent` first (which
+        names the ring on the connection's first such block), which releases it in every case."""
         with _clock(stream, "send", frame=frame.WhichOneof("frame") or "", block=frame.block.index):
             try:
                 if stream.sock is None:  # lazily: the first message opens the request's connection
                     stream.sock = self._connect(stream.params.socket)
+                if lent is not None:
+                    if stream.lent is None:
+                        stream.lent = Lent(self._ring, stream.sock)
+                        protocol.send_frame(stream.sock, stream.lent.naming())
+                    stream.lent.lend(*lent)
                 protocol.send_frame(stream.sock, frame, payload)
             except OSError as e:
                 # Nowhere left to report it; prefilld sees the connection fail or never open.
@@ -500,13 +527,17 @@ class Streamer:
 
     @staticmethod
     def _close(stream: RequestStream) -> None:
+        """Ends the request's connection; one that holds ring blocks only stops sending (prefilld
+        ends it once it has released them: the ring's bytes are never reused while it reads them)."""
         stream.closed = True
-        if stream.sock:
+        if stream.lent is not None:
+            stream.lent.close()
+        elif stream.sock:
             try:
                 stream.sock.close()
             except OSError:
                 pass
-            stream.sock = None
+        stream.sock = None
 
 
 @contextlib.contextmanager

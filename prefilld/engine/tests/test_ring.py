@@ -1,8 +1,12 @@
 """The kv route's pinned ring (`ring.py`): slots in order, room again as they are released in any
-order, a full ring that waits for a release (backpressure), and a payload it can never hold."""
+order, a full ring that waits for a release (backpressure), a payload it can never hold, a slot
+split between the blocks prefilld releases one by one, and the ring as a file another process maps."""
 
+import os
 import threading
 import unittest
+
+import torch
 
 from pdbridge_vllm.ring import PinnedRing
 
@@ -49,6 +53,22 @@ class PinnedRingTest(unittest.TestCase):
         b.release()
         self.assertEqual(self.take(100).start, 0)
         self.assertIsNone(self.ring.take(101))
+
+    def test_a_split_slot_comes_back_with_its_last_holder(self):
+        a = self.take(60)
+        a.split(3)
+        a.release()
+        a.release()
+        self.assertIsNone(self.ring._room(50), "one of three blocks is still prefilld's")
+        a.release()
+        a.release()  # one more changes nothing
+        self.assertEqual(self.take(100).start, 0)
+
+    def test_the_ring_is_a_file_another_process_maps(self):
+        slot, view, _ = self.ring.take(4)
+        view.copy_(torch.tensor([1, 2, 3, 4], dtype=torch.uint8))
+        with open(f"/proc/{os.getpid()}/fd/{self.ring.fd}", "rb") as shared:
+            self.assertEqual(shared.read(4), bytes([1, 2, 3, 4]))
 
 
 if __name__ == "__main__":

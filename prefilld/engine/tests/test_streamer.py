@@ -6,6 +6,7 @@ are proto/engine.proto's."""
 from __future__ import annotations
 
 import io
+import os
 import socket
 import tempfile
 import threading
@@ -17,11 +18,12 @@ import numpy as np
 import torch
 
 from google.protobuf import json_format
-from pdbridge_cache.proto import engine_pb2
+from pdbridge_cache.proto import bridge_pb2, engine_pb2
 from pdbridge_testkit import REPO
 from pdbridge_testkit.decoder import decoder_bundle
 from pdbridge_testkit.prefill import kind
 from pdbridge_vllm import handoff, protocol, reconstruct, spans
+from pdbridge_vllm.ring import PinnedRing
 from pdbridge_vllm.streamer import STAGES, BridgeParams, RequestStream, Streamer
 
 B = 16  # tokens per block
@@ -103,6 +105,42 @@ class StreamerTest(unittest.TestCase):
         self.assertEqual((done.num_tokens, done.blocks_emitted), (4 * B, 4))
         for stage in ("to_mlx", "reconstruct", "to_host", "send"):
             self.assertGreater(getattr(done.timings, f"{stage}_ms"), 0, stage)
+
+    def test_laid_out_blocks_stay_in_the_ring_until_prefilld_releases_them(self):
+        ring = PinnedRing(1 << 12, pin=False)
+        streamer = Streamer([], ring=ring)
+        stream, sock = self.request("in-ring", 2)
+        server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        server.bind(sock)
+        server.listen()
+        slot, flat, _ = ring.take(2 * 64)
+        host = flat.view(2, 64)
+        host.copy_(torch.arange(128, dtype=torch.uint8).view(2, 64))
+        tensors = [engine_pb2.PluginTensor(layer=0, name="keys", dtype=bridge_pb2.DTYPE_U8, shape=[64], nbytes=64)]
+        streamer.submit_laid_out(stream, 3, tensors, host, None, slot=slot)
+        streamer.submit_done(stream, 2 * B)
+        conn, _ = server.accept()
+        with conn, conn.makefile("rb") as f:
+            frames = []
+            while (msg := protocol.read_frame(f)) is not None:  # the plugin stops sending after done
+                frames.append(msg[0])
+            named, blocks, done = frames[0].ring, frames[1:3], frames[3]
+            self.assertEqual((kind(frames[0]), named.size, done.done.blocks_emitted), ("ring", ring.size, 2))
+            self.assertEqual([(b.block.index, b.block.ring_offset, b.block.payload_bytes) for b in blocks],
+                             [(3, slot.start, 64), (4, slot.start + 64, 64)])
+            with open(f"/proc/{os.getpid()}/fd/{named.fd}", "rb") as shared:  # prefilld's view of it
+                shared.seek(slot.start)
+                self.assertEqual(shared.read(128), bytes(range(128)))
+            self.assertFalse(slot.released, "the blocks are prefilld's until it releases them")
+            for b in blocks:
+                release = engine_pb2.PluginRelease(ring_offset=b.block.ring_offset).SerializeToString()
+                conn.sendall(len(release).to_bytes(4, "little") + release)
+            waiter = threading.Thread(target=ring.take, args=(ring.size,))  # all of it: once both came back
+            waiter.start()
+            waiter.join(timeout=30)
+            self.assertFalse(waiter.is_alive(), "both releases give the slot back")
+        server.close()
+        streamer.close()
 
     def test_a_failed_socket_drops_its_request_and_the_next_one_is_served(self):
         streamer = Streamer(self.layers)

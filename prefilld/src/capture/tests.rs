@@ -7,7 +7,7 @@ async fn read_message(
     stream: &mut (impl AsyncRead + Unpin),
     max_payload: impl Fn(&str) -> Option<usize>,
 ) -> Result<Option<(String, PluginEvent)>, CaptureError> {
-    Ok(match read_incoming(stream, max_payload).await? {
+    Ok(match read_incoming(stream, max_payload, None).await? {
         Some(Incoming::Event { request_id, event }) => Some((request_id, event)),
         Some(other) => panic!("not an event: {other:?}"),
         None => None,
@@ -32,7 +32,7 @@ fn message(request_id: &str, frame: Frame) -> PluginFrame {
 }
 
 fn block(request_id: &str, payload_bytes: u64, tensors: Vec<PluginTensor>) -> PluginFrame {
-    message(request_id, Frame::Block(PluginBlock { index: 0, payload_bytes, tensors }))
+    message(request_id, Frame::Block(PluginBlock { index: 0, payload_bytes, tensors, ring_offset: None }))
 }
 
 fn done(request_id: &str, num_tokens: u32) -> PluginFrame {
@@ -41,7 +41,7 @@ fn done(request_id: &str, num_tokens: u32) -> PluginFrame {
 
 #[tokio::test]
 async fn parses_block_done_and_error_frames() {
-    let third = PluginBlock { index: 3, payload_bytes: 8, tensors: vec![tensor(0, 8)] };
+    let third = PluginBlock { index: 3, payload_bytes: 8, tensors: vec![tensor(0, 8)], ring_offset: None };
     let mut bytes = frame(message("r", Frame::Block(third)), &[1, 2, 3, 4, 5, 6, 7, 8]);
     bytes.extend(frame(done("r", 9), &[]));
     let error = PluginError { failure: PluginFailure::BundleMismatch as i32, message: "x".into() };
@@ -192,7 +192,7 @@ async fn a_bundle_request_on_the_plugin_socket_is_refused() {
         PluginFrame { frame: Some(Frame::Bundle(BundleRequest { sha256: "0".repeat(64) })), ..Default::default() };
     let bytes = frame(request, &[]);
     let mut written = Vec::new();
-    let ended = router.relay(tokio::io::join(bytes.as_slice(), &mut written), None).await;
+    let ended = router.relay_local(tokio::io::join(bytes.as_slice(), &mut written), None).await;
     assert!(matches!(ended, Err(CaptureError::Malformed(ref why)) if why.contains("bundle")), "{ended:?}");
     assert!(written.is_empty());
 }
@@ -207,7 +207,7 @@ async fn a_connection_lost_mid_request_ends_that_request() {
     let mut bytes = frame(block("cut", 4, vec![tensor(0, 4)]), &[0; 4]);
     bytes.extend(frame(block("finished", 4, vec![tensor(0, 4)]), &[0; 4]));
     bytes.extend(frame(done("finished", 4), &[]));
-    router.relay(tokio::io::join(bytes.as_slice(), tokio::io::sink()), None).await.unwrap();
+    router.relay_local(tokio::io::join(bytes.as_slice(), tokio::io::sink()), None).await.unwrap();
     assert!(matches!(cut.events.recv().await, Some(PluginEvent::Block { .. })));
     assert!(
         matches!(cut.events.recv().await, Some(PluginEvent::Error { ref message, .. }) if message.contains("connection closed"))
@@ -273,4 +273,69 @@ mod fuzz {
             check(&bytes)?;
         }
     }
+}
+
+/// A block in the plugin's ring reaches its request as a view of the ring, not a copy; the plugin
+/// hears that its bytes are free only once nothing here holds that view, and the connection ends
+/// only after that answer.
+#[tokio::test(start_paused = true)]
+async fn a_block_in_the_ring_goes_back_once_nothing_holds_it() {
+    use std::os::fd::AsRawFd;
+
+    use pdbridge_common::proto::engine::{PluginRelease, PluginRing};
+    use tokio::io::AsyncWriteExt;
+
+    let router = Router::new("unused.sock".into());
+    let mut waiting = router.register("ringed", 4).unwrap();
+    waiting.expect_blocks(64);
+    // The plugin's ring: a file this process holds open, as the plugin holds its memfd.
+    let path = std::env::temp_dir().join(format!("pdb-ring-test-{}", std::process::id()));
+    std::fs::write(&path, (0..=255u8).collect::<Vec<_>>()).unwrap();
+    let ring = std::fs::File::open(&path).unwrap();
+    std::fs::remove_file(&path).unwrap();
+    let named = PluginRing { fd: ring.as_raw_fd() as u32, size: 256 };
+    let named = PluginFrame { frame: Some(Frame::Ring(named)), ..Default::default() };
+    let mut in_ring = block("ringed", 16, vec![tensor(0, 16)]);
+    if let Some(Frame::Block(b)) = in_ring.frame.as_mut() {
+        b.ring_offset = Some(32);
+    }
+    let (mut plugin, socket) = tokio::io::duplex(1 << 16);
+    let relay = tokio::spawn(async move { router.relay_local(socket, Some(std::process::id() as i32)).await });
+    for message in [named, in_ring, done("ringed", 16)] {
+        plugin.write_all(&frame(message, &[])).await.unwrap();
+    }
+    plugin.shutdown().await.unwrap();
+
+    let Some(PluginEvent::Block { part, .. }) = waiting.events.recv().await else { panic!("a block") };
+    assert_eq!(part.payload, (32..48).collect::<Vec<u8>>());
+    assert!(matches!(waiting.events.recv().await, Some(PluginEvent::Done { .. })));
+    tokio::time::sleep(std::time::Duration::from_secs(1)).await; // every task idle: the relay waits
+    assert!(!relay.is_finished(), "the connection stays open while the block is held");
+
+    drop(part);
+    let mut answer = Vec::new();
+    plugin.read_to_end(&mut answer).await.unwrap();
+    let release = PluginRelease::decode(&answer[4..]).unwrap();
+    assert_eq!(
+        (u32::from_le_bytes(answer[..4].try_into().unwrap()) as usize, release.ring_offset),
+        (answer.len() - 4, 32)
+    );
+    relay.await.unwrap().unwrap();
+}
+
+#[tokio::test]
+async fn a_block_in_a_ring_never_named_or_named_from_another_box_is_refused() {
+    let mut in_ring = block("r", 16, vec![tensor(0, 16)]);
+    if let Some(Frame::Block(b)) = in_ring.frame.as_mut() {
+        b.ring_offset = Some(0);
+    }
+    let bytes = frame(in_ring, &[]);
+    let refused = read_message(&mut bytes.as_slice(), |_| Some(64)).await;
+    assert!(matches!(refused, Err(CaptureError::Malformed(ref why)) if why.contains("never named")), "{refused:?}");
+
+    let router = Router::new("unused.sock".into());
+    let named = PluginFrame { frame: Some(Frame::Ring(Default::default())), ..Default::default() };
+    let bytes = frame(named, &[]);
+    let ended = router.relay(tokio::io::join(bytes.as_slice(), tokio::io::sink()), Path::new("unused")).await;
+    assert!(matches!(ended, Err(CaptureError::Malformed(ref why)) if why.contains("another box")), "{ended:?}");
 }

@@ -293,7 +293,8 @@ fn record(request_id: &str, outcome: &Outcome, elapsed: Duration) {
         ?elapsed,
         "prefill done"
     );
-    for stage in ["prefill", "capture", "reconstruct", "wire"] {
+    // `ring_wait`: the plugin's steps held back by a full ring, the link slower than the prefill.
+    for stage in ["prefill", "capture", "reconstruct", "ring_wait", "wire"] {
         if let Some(ms) = outcome.stage_ms.get(stage) {
             telemetry::record_stage(stage, ms / 1e3);
         }
