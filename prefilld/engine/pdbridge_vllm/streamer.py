@@ -482,9 +482,9 @@ class Streamer:
                     if frame.HasField("done"):
                         frame.done.timings.CopyFrom(engine_pb2.PluginTimings(
                             **{f"{stage}_ms": round(ms, 3) for stage, ms in stream.ms.items()}))
-                    self._write(stream, frame, payload, lent)
-                    lent = None
-                if lent is not None:  # dropped: prefilld never had it
+                    if self._write(stream, frame, payload, lent):
+                        lent = None
+                if lent is not None:  # dropped, or no connection took it: prefilld never had it
                     lent[1].release()
             finally:
                 if item is not None and item[3] is not None:  # the frame's bytes are free
@@ -492,18 +492,23 @@ class Streamer:
                 self._outbox.release(nbytes)
 
     def _write(self, stream: RequestStream, frame: engine_pb2.PluginFrame, payload,
-               lent: tuple[int, Slot] | None = None) -> None:
-        """Sends a frame; a `lent` block's slot is handed to the connection's `Lent` first (which
-        names the ring on the connection's first such block), which releases it in every case."""
+               lent: tuple[int, Slot] | None = None) -> bool:
+        """Sends a frame. A `lent` block's slot is handed to the connection's `Lent` before anything
+        is sent (the first such block names the ring), which then releases it whatever happens;
+        returns whether it was handed over (not when the connection could not be opened)."""
+        handed = False
         with _clock(stream, "send", frame=frame.WhichOneof("frame") or "", block=frame.block.index):
             try:
                 if stream.sock is None:  # lazily: the first message opens the request's connection
                     stream.sock = self._connect(stream.params.socket)
                 if lent is not None:
-                    if stream.lent is None:
+                    naming = stream.lent is None
+                    if naming:
                         stream.lent = Lent(self._ring, stream.sock)
-                        protocol.send_frame(stream.sock, stream.lent.naming())
                     stream.lent.lend(*lent)
+                    handed = True
+                    if naming:
+                        protocol.send_frame(stream.sock, stream.lent.naming())
                 protocol.send_frame(stream.sock, frame, payload)
             except OSError as e:
                 # Nowhere left to report it; prefilld sees the connection fail or never open.
@@ -512,6 +517,7 @@ class Streamer:
                 stream.failed = stream.closed = True
                 self._close(stream)
                 stream.sock = False
+        return handed
 
     def _connect(self, unix_path: str) -> socket.socket:
         if self._link is not None:

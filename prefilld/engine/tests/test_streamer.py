@@ -142,6 +142,21 @@ class StreamerTest(unittest.TestCase):
         server.close()
         streamer.close()
 
+    def test_a_block_lent_to_a_connection_that_never_opens_comes_back(self):
+        ring = PinnedRing(1 << 12, pin=False)
+        streamer = Streamer([], ring=ring)
+        stream, _ = self.request("ring-nobody-listens", 1)  # its socket does not exist
+        slot, flat, _ = ring.take(64)
+        tensors = [engine_pb2.PluginTensor(layer=0, name="keys", dtype=bridge_pb2.DTYPE_U8, shape=[64], nbytes=64)]
+        streamer.submit_laid_out(stream, 0, tensors, flat.view(1, 64), None, slot=slot)
+        streamer.submit_done(stream, B)
+        waiter = threading.Thread(target=ring.take, args=(ring.size,))  # all of it: once the slot is back
+        waiter.start()
+        waiter.join(timeout=30)
+        streamer.close()
+        self.assertFalse(waiter.is_alive(), "a block no connection took is released")
+        self.assertTrue(stream.failed)
+
     def test_a_failed_socket_drops_its_request_and_the_next_one_is_served(self):
         streamer = Streamer(self.layers)
         lost, _ = self.request("nobody-listens", 2)  # its socket does not exist
