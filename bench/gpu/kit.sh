@@ -329,7 +329,7 @@ prefill_box() {
 # JIT warm-up at start; V1's runner (the plugin's hooks) and vLLM's own sampler (no FlashInfer).
 V41_KERNEL_CONFIG='{"enable_jit_warmup": false}'
 V41_ARGS=(--moe-backend marlin --language-model-only --enforce-eager --kernel-config "$V41_KERNEL_CONFIG")
-V41_ENGINE_ARGS='{"moe_backend": "marlin", "language_model_only": true, "kernel_config": {"enable_jit_warmup": false}}'
+V41_ENGINE_ARGS='{"moe_backend": "marlin", "language_model_only": true, "kernel_config": '"$V41_KERNEL_CONFIG"'}'
 # CUDA_HOME: where DeepGEMM's kernels JIT at first use (its nvcc).
 export_v41_env() {
   export VLLM_USE_V2_MODEL_RUNNER=0 VLLM_USE_FLASHINFER_SAMPLER=0

@@ -8,7 +8,7 @@
 
 use serde::{Deserialize, Deserializer, Serialize, de};
 
-use super::InvalidRequest;
+use super::{InvalidRequest, invalid};
 use crate::engine::Sampling;
 
 /// A request as the front door serves it, whatever API it came in on.
@@ -176,13 +176,10 @@ pub fn function_tools(
 ) -> Result<Vec<Tool>, InvalidRequest> {
     let function = |(i, tool): (usize, FlatTool)| {
         if !is_function(tool.kind.as_deref()) {
-            return Err(InvalidRequest(format!(
-                "`tools[{i}]` is a {:?} tool; only {offered} are supported",
-                tool.kind
-            )));
+            return Err(invalid(format!("`tools[{i}]` is a {:?} tool; only {offered} are supported", tool.kind)));
         }
         let name = tool.name.filter(|n| !n.is_empty());
-        let name = name.ok_or_else(|| InvalidRequest(format!("`tools[{i}].name` must be a non-empty string")))?;
+        let name = name.ok_or_else(|| invalid(format!("`tools[{i}].name` must be a non-empty string")))?;
         let FlatTool { description, parameters, strict, .. } = tool;
         Ok(Tool { kind: Function::Function, function: FunctionSpec { name, description, parameters, strict } })
     };
@@ -206,9 +203,9 @@ pub fn offered(tools: Option<Vec<Tool>>, choice: Option<ToolChoice>) -> Result<O
     match choice.unwrap_or(ToolChoice::Auto) {
         ToolChoice::Auto => Ok(tools.filter(|t| !t.is_empty())),
         ToolChoice::None => Ok(None),
-        ToolChoice::Forced => Err(InvalidRequest(
-            "`tool_choice` must be \"auto\" or \"none\": this server cannot force a tool call".into(),
-        )),
+        ToolChoice::Forced => {
+            Err(invalid("`tool_choice` must be \"auto\" or \"none\": this server cannot force a tool call"))
+        }
     }
 }
 
@@ -265,12 +262,9 @@ impl Content<Part> {
         let mut text = String::new();
         for (i, part) in parts.into_iter().enumerate() {
             if !text_types.contains(&part.kind.as_str()) {
-                return Err(InvalidRequest(format!(
-                    "`{at}[{i}]` is a {:?} part; only text parts are supported",
-                    part.kind
-                )));
+                return Err(invalid(format!("`{at}[{i}]` is a {:?} part; only text parts are supported", part.kind)));
             }
-            let piece = part.text.ok_or_else(|| InvalidRequest(format!("`{at}[{i}].text` must be a string")))?;
+            let piece = part.text.ok_or_else(|| invalid(format!("`{at}[{i}].text` must be a string")))?;
             text.push_str(&piece);
         }
         Ok(text)

@@ -7,7 +7,7 @@ use serde_json::{Value, json};
 
 use super::answer::{Event, Finish, Names, Render, SseEvent, Usage, Whole};
 use super::chat::{self, Asked, Call, Content, FlatTool, Input, Message, Part, Request, Role, ToolChoice};
-use super::{InvalidRequest, parse as parse_json};
+use super::{InvalidRequest, invalid, parse as parse_json};
 use crate::engine::ToolCall;
 
 /// A Messages request as sent, its fields in the API reference's order (unknown ones ignored).
@@ -76,10 +76,6 @@ struct SentToolChoice {
 struct Thinking {
     #[serde(rename = "type")]
     kind: Option<String>,
-}
-
-fn invalid(message: impl Into<String>) -> InvalidRequest {
-    InvalidRequest(message.into())
 }
 
 /// The request a Messages request asks for.

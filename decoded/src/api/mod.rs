@@ -100,6 +100,10 @@ impl Api {
 #[error("{0}")]
 pub struct InvalidRequest(pub String);
 
+fn invalid(message: impl Into<String>) -> InvalidRequest {
+    InvalidRequest(message.into())
+}
+
 /// `body` as `T`; what does not parse is refused naming the field by its path (`messages[0].role`)
 /// and what it must be.
 pub fn parse<T: DeserializeOwned>(body: &[u8]) -> Result<T, InvalidRequest> {

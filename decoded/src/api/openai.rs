@@ -8,7 +8,7 @@ use serde_json::{Value, json};
 
 use super::answer::{Choice, Event, Names, Render, SseEvent, Usage, Whole};
 use super::chat::{self, Asked, Call, Content, Input, Message, Part, Request, Role, Tool, ToolChoice};
-use super::{Api, InvalidRequest};
+use super::{Api, InvalidRequest, invalid};
 use crate::engine::{Logprob, ToolCall};
 
 /// Most answers (`n`) one request may ask for.
@@ -115,10 +115,6 @@ fn logprobs_field<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Logprobs>, D
 
 fn top_logprobs<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u32>, D::Error> {
     Ok(chat::checked(d, |n: &u64| *n <= 20, "an integer from 0 to 20")?.map(|n| n as u32))
-}
-
-fn invalid(message: impl Into<String>) -> InvalidRequest {
-    InvalidRequest(message.into())
 }
 
 /// The request `body` of `api` (chat or the legacy completions) asks for.

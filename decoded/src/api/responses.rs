@@ -7,7 +7,7 @@ use serde_json::{Value, json};
 
 use super::answer::{Event, Names, Render, SseEvent, Usage, Whole};
 use super::chat::{self, Asked, Call, Content, FlatTool, Input, Message, Part, Request, Role};
-use super::{InvalidRequest, parse as parse_json};
+use super::{InvalidRequest, invalid, parse as parse_json};
 use crate::engine::ToolCall;
 
 /// A Responses request as sent, its fields in the API reference's order (unknown ones ignored).
@@ -58,10 +58,6 @@ struct TextOptions {
 struct Format {
     #[serde(rename = "type")]
     kind: String,
-}
-
-fn invalid(message: impl Into<String>) -> InvalidRequest {
-    InvalidRequest(message.into())
 }
 
 /// The request a Responses request asks for.
